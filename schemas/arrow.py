@@ -1,0 +1,88 @@
+"""Arrow schemas of the datasets corpusgen writes. The metrics schema is the stable contract
+that reports and BI tools read; add columns at the end, never rename or retype one.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+DATA_SCHEMA = pa.schema(
+    [
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("shard_id", pa.string(), nullable=False),
+        pa.field("prompt", pa.string()),
+        pa.field("completion", pa.string()),
+        pa.field("finish_reason", pa.string()),
+        pa.field("prompt_tokens", pa.int32()),
+        pa.field("completion_tokens", pa.int32()),
+        pa.field("proposed", pa.int32()),
+        pa.field("accepted", pa.int32()),
+        pa.field("seed", pa.int64()),
+    ]
+)
+
+ERRORS_SCHEMA = pa.schema(
+    [
+        pa.field("shard_id", pa.string(), nullable=False),
+        pa.field("row", pa.int64(), nullable=False, metadata={"doc": "row index within the shard"}),
+        pa.field("id", pa.string()),
+        pa.field("reason", pa.string(), nullable=False),
+        pa.field("raw", pa.string(), metadata={"doc": "the offending value, truncated"}),
+    ]
+)
+
+METRICS_SCHEMA = pa.schema(
+    [
+        pa.field("run_id", pa.string(), nullable=False),
+        pa.field("shard_id", pa.string(), nullable=False),
+        pa.field("worker_id", pa.string(), metadata={"doc": "host:pid of the process"}),
+        pa.field("input_rows", pa.int64()),
+        pa.field("ok_rows", pa.int64()),
+        pa.field("error_rows", pa.int64()),
+        pa.field("prompt_tokens", pa.int64()),
+        pa.field("generated_tokens", pa.int64()),
+        pa.field("padding_waste", pa.float64(), metadata={"doc": "padded / computed token slots"}),
+        pa.field("batch_bucket", pa.int32(), metadata={"doc": "largest batch bucket used"}),
+        pa.field("draft_kind", pa.string(), metadata={"doc": "none|model|quantized|prompt_lookup"}),
+        pa.field("rounds", pa.int64(), metadata={"doc": "speculation rounds (row-rounds)"}),
+        pa.field("proposed", pa.int64(), metadata={"doc": "draft tokens proposed"}),
+        pa.field("accepted", pa.int64(), metadata={"doc": "draft tokens accepted"}),
+        pa.field("acceptance_rate", pa.float64(), metadata={"doc": "accepted / proposed"}),
+        pa.field("mean_accepted_length", pa.float64(), metadata={"doc": "1 + accepted / rounds"}),
+        pa.field(
+            "accepted_per_position",
+            pa.list_(pa.int64()),
+            metadata={"doc": "accepted count at draft position i (i=0..K-1)"},
+        ),
+        pa.field(
+            "proposed_per_position",
+            pa.list_(pa.int64()),
+            metadata={"doc": "proposed count at draft position i; ratio = per-position rate"},
+        ),
+        pa.field("target_forwards", pa.int64()),
+        pa.field("draft_forwards", pa.int64()),
+        pa.field("distinct_shapes", pa.int64()),
+        pa.field("prefill_seconds", pa.float64()),
+        pa.field("decode_seconds", pa.float64()),
+        pa.field("draft_seconds", pa.float64()),
+        pa.field("verify_seconds", pa.float64()),
+        pa.field("wall_seconds", pa.float64(), metadata={"doc": "the shard task's wall time"}),
+        pa.field("tokens_per_second", pa.float64(), metadata={"doc": "generated / wall seconds"}),
+        pa.field("device_type", pa.string(), metadata={"doc": "pricing key, e.g. gaudi2, cpu"}),
+        pa.field("device_count", pa.int32()),
+        pa.field("device_seconds", pa.float64(), metadata={"doc": "wall_seconds x device_count"}),
+        pa.field("price_per_device_hour", pa.float64()),
+        pa.field("cost", pa.float64(), metadata={"doc": "device_seconds / 3600 x price"}),
+        pa.field(
+            "cost_per_1m_tokens", pa.float64(), metadata={"doc": "cost / generated_tokens x 1e6"}
+        ),
+        pa.field("engine_version", pa.string()),
+        pa.field("target_model", pa.string()),
+        pa.field("target_weights_sha256", pa.string()),
+        pa.field("draft_model", pa.string()),
+        pa.field("draft_weights_sha256", pa.string()),
+        pa.field("config_hash", pa.string()),
+        pa.field("started_at", pa.timestamp("us", tz="UTC")),
+        pa.field("finished_at", pa.timestamp("us", tz="UTC")),
+    ]
+)

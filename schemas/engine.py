@@ -1,0 +1,145 @@
+"""Engine configuration: which models, which shape grid, how to sample.
+
+Plain pydantic data; nothing here imports the engine, so flows and tasks can validate configs
+without loading torch.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+PACKAGED_PREFIX = "packaged:"
+PACKAGED_MODELS = ("smollm2-135m-instruct",)
+DType = Literal["float32", "bfloat16", "float16"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    """Where a model's weights come from.
+
+    `path` is a local Hugging Face directory (config.json + safetensors + tokenizer), a `.gguf`
+    file (dequantised once and cached as safetensors), or `packaged:smollm2-135m-instruct`.
+    """
+
+    path: str
+    dtype: DType = "float32"
+
+    @field_validator("path")
+    @classmethod
+    def _known_packaged_model(cls, path: str) -> str:
+        if path.startswith(PACKAGED_PREFIX) and path[len(PACKAGED_PREFIX) :] not in PACKAGED_MODELS:
+            names = ", ".join(PACKAGED_PREFIX + name for name in PACKAGED_MODELS)
+            raise ValueError(f"unknown packaged model {path!r}; available: {names}")
+        return path
+
+
+class DraftSpec(_Strict):
+    """What proposes the tokens the target verifies.
+
+    kind="model": a separate, smaller model sharing the target's tokenizer.
+    kind="quantized": the target itself at lower precision, built at load time.
+    kind="prompt_lookup": copy the continuation of the last n-gram match in the prompt/text so far.
+    """
+
+    kind: Literal["model", "quantized", "prompt_lookup"]
+    model: ModelSpec | None = None
+    dtype: Literal["int8", "bfloat16"] = "int8"
+    ngram_max: int = Field(3, ge=1, le=8)
+    ngram_min: int = Field(1, ge=1, le=8)
+
+    @model_validator(mode="after")
+    def _model_iff_kind_model(self) -> DraftSpec:
+        if self.kind == "model" and self.model is None:
+            raise ValueError("draft.kind='model' needs draft.model (a ModelSpec)")
+        if self.kind != "model" and self.model is not None:
+            raise ValueError(f"draft.model is only used with kind='model', not {self.kind!r}")
+        if self.ngram_min > self.ngram_max:
+            raise ValueError("draft.ngram_min must be <= draft.ngram_max")
+        return self
+
+
+def _ascending_unique(values: list[int], name: str) -> list[int]:
+    if not values or any(v <= 0 for v in values):
+        raise ValueError(f"{name} must be a non-empty list of positive integers")
+    return sorted(set(values))
+
+
+class BucketGrid(_Strict):
+    """The static shapes every forward is padded to, so compiled / HPU graphs are reused."""
+
+    batch_sizes: list[int] = [1, 2, 4, 8]
+    prompt_lengths: list[int] = [32, 64, 128, 256]
+    cache_lengths: list[int] = [128, 256, 512]
+    draft_lengths: list[int] = Field(default=[2, 4, 6], description="K values speculation may use")
+
+    @field_validator("batch_sizes", "prompt_lengths", "cache_lengths", "draft_lengths")
+    @classmethod
+    def _sorted(cls, values: list[int], info) -> list[int]:
+        return _ascending_unique(values, info.field_name)
+
+    @model_validator(mode="after")
+    def _cache_holds_prompts(self) -> BucketGrid:
+        if self.cache_lengths[-1] <= self.prompt_lengths[-1]:
+            raise ValueError(
+                "bucket_grid.cache_lengths: the largest cache length "
+                f"({self.cache_lengths[-1]}) must exceed the largest prompt length "
+                f"({self.prompt_lengths[-1]}) to leave room for generated tokens"
+            )
+        return self
+
+    @property
+    def max_batch(self) -> int:
+        return self.batch_sizes[-1]
+
+    @property
+    def max_prompt(self) -> int:
+        return self.prompt_lengths[-1]
+
+    @property
+    def max_cache(self) -> int:
+        return self.cache_lengths[-1]
+
+
+class EngineConfig(_Strict):
+    """Everything needed to build an `Engine`."""
+
+    target: ModelSpec
+    draft: DraftSpec | None = None
+    num_draft_tokens: int | Literal["auto"] = Field(
+        "auto", description="K per speculation round: one of bucket_grid.draft_lengths, or auto"
+    )
+    device: Literal["auto", "cpu", "cuda", "hpu"] = "auto"
+    bucket_grid: BucketGrid = BucketGrid()
+    compile: bool = Field(False, description="torch.compile(dynamic=False) on cpu/cuda")
+    hpu_graphs: bool = Field(True, description="wrap_in_hpu_graph on Gaudi")
+
+    @model_validator(mode="after")
+    def _k_on_grid(self) -> EngineConfig:
+        k = self.num_draft_tokens
+        if k != "auto" and k not in self.bucket_grid.draft_lengths:
+            raise ValueError(
+                f"num_draft_tokens={k} is not on bucket_grid.draft_lengths "
+                f"{self.bucket_grid.draft_lengths}; use one of those or 'auto'"
+            )
+        return self
+
+
+class SamplingParams(_Strict):
+    """How to pick tokens. temperature 0 means greedy."""
+
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=0, description="0 disables top-k")
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
