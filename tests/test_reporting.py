@@ -4,14 +4,25 @@ from __future__ import annotations
 
 import datetime as dt
 
+import duckdb
+import pyarrow as pa
 import pytest
+from reporting_fixtures import metrics_row, three_runs, write_shard
 
+from schemas.arrow import METRICS_SCHEMA
 from schemas.pricing import (
     DEFAULT_PRICES_PATH,
     UnknownDeviceError,
     load_prices,
     parse_price_overrides,
     price_for,
+)
+from tasks.reporting import (
+    NoMetricsError,
+    build_report,
+    open_committed_metrics,
+    summarize_metrics,
+    views_sql,
 )
 
 
@@ -55,3 +66,135 @@ def test_price_flag_parsing_rejects_malformed_items(item):
 
 def test_price_flag_parsing():
     assert parse_price_overrides(["gaudi2=1.5", " cpu =0"]) == {"gaudi2": 1.5, "cpu": 0.0}
+
+
+# --- report figures over committed metrics ------------------------------------------------------
+
+
+@pytest.fixture
+def local_runs(tmp_path) -> str:
+    """Three committed runs, plus a metrics file whose shard never committed."""
+    root = str(tmp_path / "out")
+    for row in three_runs():
+        write_shard(root, row)
+    write_shard(root, metrics_row("run-b", "run-b-s9", generated_tokens=10**9), committed=False)
+    return root
+
+
+def _by(rows, key):
+    return {row[key]: row for row in rows}
+
+
+def assert_hand_computed_figures(report: dict) -> None:
+    """The fixture's rows, summed by hand (see three_runs for the inputs)."""
+    runs = _by(report["runs"], "run_id")
+    assert list(runs) == ["run-a", "run-b", "run-c"]
+
+    run_a = runs["run-a"]  # cpu at $0.40/h, 20 s + 25 s, no draft
+    assert run_a["generated_tokens"] == 800 + 1200
+    assert run_a["cost"] == pytest.approx((20 + 25) / 3600 * 0.40)
+    assert run_a["cost_per_1m_tokens"] == pytest.approx((20 + 25) / 3600 * 0.40 / 2000 * 1e6)
+    assert run_a["tokens_per_second"] == pytest.approx(2000 / 45)
+    assert run_a["acceptance_rate"] is None and run_a["mean_accepted_length"] is None
+    assert run_a["padding_waste"] == pytest.approx((0.25 * 1000 + 0.1 * 1400) / 2400)
+
+    run_b = runs["run-b"]  # gaudi2 at $1.30/h on 2 devices, 6 s + 8 s, 3 error rows
+    assert run_b["generated_tokens"] == 900 + 1000
+    assert run_b["device_seconds"] == pytest.approx(2 * 6 + 2 * 8)
+    assert run_b["cost"] == pytest.approx((2 * 6 + 2 * 8) / 3600 * 1.30)
+    assert run_b["cost_per_1m_tokens"] == pytest.approx(28 / 3600 * 1.30 / 1900 * 1e6)
+    assert run_b["acceptance_rate"] == pytest.approx((600 + 500) / (1200 + 800))
+    assert run_b["mean_accepted_length"] == pytest.approx(1 + (600 + 500) / (300 + 200))
+    assert (run_b["input_rows"], run_b["ok_rows"], run_b["error_rows"]) == (22, 19, 3)
+
+    run_c = runs["run-c"]  # cuda-h100 at $2.99/h, 4 s
+    assert run_c["cost"] == pytest.approx(4 / 3600 * 2.99)
+    assert run_c["tokens_per_second"] == pytest.approx(5000 / 4)
+
+    total = report["total"]
+    assert total["shards"] == 5 and total["generated_tokens"] == 8900 and total["error_rows"] == 3
+    total_cost = 45 / 3600 * 0.40 + 28 / 3600 * 1.30 + 4 / 3600 * 2.99
+    assert total["cost"] == pytest.approx(total_cost)
+    assert total["cost_per_1m_tokens"] == pytest.approx(total_cost / 8900 * 1e6)
+    assert total["acceptance_rate"] == pytest.approx((600 + 500 + 600) / (1200 + 800 + 1200))
+
+    per_position = {
+        (row["run_id"], row["position"]): row["acceptance_rate"]
+        for row in report["position_acceptance"]
+    }
+    assert per_position[("run-b", 0)] == pytest.approx((250 + 300) / (400 + 400))
+    assert per_position[("run-b", 2)] == pytest.approx(150 / 400)
+    assert per_position[(None, 0)] == pytest.approx((250 + 300 + 250) / 1200)
+    assert ("run-a", 0) not in per_position  # no draft, no positions
+
+    pairs = {(p["target_model"], p["draft_kind"], p["device_type"]) for p in report["model_pairs"]}
+    assert pairs == {
+        ("tiny-llama", "none", "cpu"),
+        ("tiny-llama", "model", "gaudi2"),
+        ("tiny-llama", "prompt_lookup", "cuda-h100"),
+    }
+    buckets = {(b["device_type"], b["batch_bucket"]): b for b in report["bucket_throughput"]}
+    assert buckets[("cpu", 2)]["tokens_per_second"] == pytest.approx(800 / 20)
+    assert report["costliest_shards"][0]["shard_id"] == "run-b-s1"  # 16 device-s x $1.30
+    assert {s["shard_id"] for s in report["shards"]} == {r["shard_id"] for r in three_runs()}
+    assert {p["device_type"]: p["usd_per_hour"] for p in report["prices"]} == {
+        "cpu": [0.40],
+        "cuda-h100": [2.99],
+        "gaudi2": [1.30],
+    }
+
+
+def test_report_figures_equal_hand_computation_and_skip_uncommitted_files(local_runs):
+    assert_hand_computed_figures(build_report(open_committed_metrics(local_runs)))
+
+
+def test_report_prices_override_recomputes_cost_and_says_which_prices(local_runs):
+    report = build_report(open_committed_metrics(local_runs, price_overrides={"gaudi2": 2.0}))
+    runs = _by(report["runs"], "run_id")
+    assert runs["run-b"]["cost"] == pytest.approx(28 / 3600 * 2.0)
+    assert runs["run-a"]["cost"] == pytest.approx(45 / 3600 * 0.40)  # recorded price kept
+    prices = _by(report["prices"], "device_type")
+    assert prices["gaudi2"] == {
+        "device_type": "gaudi2",
+        "usd_per_hour": [2.0],
+        "source": "report override (--price)",
+    }
+    assert prices["cpu"]["source"] == "recorded in the metrics at run time"
+
+
+def test_report_filters_by_run_and_date(local_runs):
+    report = build_report(open_committed_metrics(local_runs, run_ids=["run-a", "run-c"]))
+    assert [r["run_id"] for r in report["runs"]] == ["run-a", "run-c"]
+    report = build_report(open_committed_metrics(local_runs, since=dt.date(2026, 12, 1)))
+    assert [r["run_id"] for r in report["runs"]] == ["run-b", "run-c"]
+    with pytest.raises(NoMetricsError, match="runs available: run-a, run-b, run-c"):
+        open_committed_metrics(local_runs, run_ids=["run-z"])
+
+
+def test_report_without_committed_shards_says_what_it_looked_for(tmp_path):
+    write_shard(str(tmp_path), metrics_row("run-a", "s0"), committed=False)
+    with pytest.raises(NoMetricsError, match=r"manifests/.*committed"):
+        open_committed_metrics(str(tmp_path))
+
+
+def test_report_rejects_prices_for_unknown_devices(local_runs):
+    with pytest.raises(UnknownDeviceError, match="known device types"):
+        open_committed_metrics(local_runs, price_overrides={"gaudi9": 1.0})
+
+
+def test_summary_artifact_numbers_equal_the_report(local_runs):
+    rows = [row for row in three_runs() if row["run_id"] == "run-b"]
+    summary = summarize_metrics(pa.Table.from_pylist(rows, schema=METRICS_SCHEMA))
+    report = build_report(open_committed_metrics(local_runs, run_ids=["run-b"]))
+    assert summary == report
+
+
+def test_views_sql_is_usable_as_is_by_a_bi_tool(local_runs):
+    """The printed views, run in a fresh DuckDB, give the report's numbers."""
+    con = duckdb.connect()
+    con.execute(views_sql(local_runs))
+    cost, tokens = con.execute(
+        "SELECT cost, generated_tokens FROM cost_rollup WHERE level = 'total'"
+    ).fetchone()
+    assert tokens == 8900
+    assert cost == pytest.approx(build_report(open_committed_metrics(local_runs))["total"]["cost"])

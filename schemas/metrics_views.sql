@@ -1,0 +1,108 @@
+-- corpusgen metrics views: the SQL a BI tool (Grafana, Superset, Metabase, a DuckDB shell) can
+-- point at. `corpusgen report OUTPUT_URI --views` prints this file with {output_uri} filled in.
+-- Only committed shards count: a shard is committed when <output_uri>/manifests/<shard_id>.json
+-- exists, and only the metrics files that manifest lists are its metrics (a retried attempt's
+-- leftover files are ignored).
+
+-- @section source
+CREATE OR REPLACE VIEW committed_manifests AS
+SELECT shard_id, run_id, attempt_id, unnest(files.metrics) AS metrics_file
+FROM read_json('{output_uri}/manifests/*.json', union_by_name = true);
+
+CREATE OR REPLACE VIEW committed_metrics AS
+SELECT m.* EXCLUDE (filename),
+       CAST(regexp_extract(m.filename, 'run_date=(\d{4}-\d{2}-\d{2})', 1) AS DATE) AS run_date
+FROM read_parquet('{output_uri}/metrics/*/*/*.parquet', filename = true, union_by_name = true) AS m
+WHERE m.filename IN (SELECT '{output_uri}/' || metrics_file FROM committed_manifests);
+
+-- What the derived views read; a report narrows it to the runs/dates asked for.
+CREATE OR REPLACE VIEW metrics AS SELECT * FROM committed_metrics;
+
+-- @section derived
+-- Report-time prices ($ per device-hour) that replace the price recorded at run time.
+CREATE TABLE IF NOT EXISTS price_overrides (device_type VARCHAR PRIMARY KEY, usd_per_hour DOUBLE NOT NULL);
+
+-- One row per committed shard, with cost recomputed at the report's prices.
+CREATE OR REPLACE VIEW shard_costs AS
+SELECT m.*,
+       coalesce(o.usd_per_hour, m.price_per_device_hour) AS report_price_per_device_hour,
+       m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour) AS report_cost,
+       m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour)
+           / nullif(m.generated_tokens, 0) * 1e6 AS report_cost_per_1m_tokens,
+       o.usd_per_hour IS NOT NULL AS repriced
+FROM metrics AS m LEFT JOIN price_overrides AS o ON o.device_type = m.device_type;
+
+-- Totals per run, per model pair x draft kind x device type, and overall (level column says which).
+-- Ratios are ratios of sums (token-weighted), never means of shard ratios.
+CREATE OR REPLACE VIEW cost_rollup AS
+SELECT CASE WHEN grouping(run_id) = 0 THEN 'run'
+            WHEN grouping(target_model) = 0 THEN 'model_pair'
+            ELSE 'total' END AS level,
+       run_id, target_model, draft_model, draft_kind, device_type,
+       min(run_date) AS run_date,
+       min(started_at) AS started_at,
+       max(finished_at) AS finished_at,
+       count(*) AS shards,
+       sum(input_rows) AS input_rows,
+       sum(ok_rows) AS ok_rows,
+       sum(error_rows) AS error_rows,
+       sum(prompt_tokens) AS prompt_tokens,
+       sum(generated_tokens) AS generated_tokens,
+       sum(wall_seconds) AS wall_seconds,
+       sum(device_seconds) AS device_seconds,
+       sum(report_cost) AS cost,
+       sum(report_cost) / nullif(sum(generated_tokens), 0) * 1e6 AS cost_per_1m_tokens,
+       sum(generated_tokens) / nullif(sum(wall_seconds), 0) AS tokens_per_second,
+       sum(proposed) AS proposed,
+       sum(accepted) AS accepted,
+       sum(accepted) / nullif(sum(proposed), 0) AS acceptance_rate,
+       1 + sum(accepted) / nullif(sum(rounds), 0) AS mean_accepted_length,
+       sum(padding_waste * (prompt_tokens + generated_tokens))
+           / nullif(sum(prompt_tokens + generated_tokens), 0) AS padding_waste,
+       string_agg(DISTINCT device_type, ',' ORDER BY device_type) AS device_types,
+       string_agg(DISTINCT draft_kind, ',' ORDER BY draft_kind) AS draft_kinds,
+       string_agg(DISTINCT target_model || ' <- ' || coalesce(draft_model, draft_kind), ', '
+                  ORDER BY target_model || ' <- ' || coalesce(draft_model, draft_kind)) AS model_pairs
+FROM shard_costs
+GROUP BY GROUPING SETS ((run_id), (target_model, draft_model, draft_kind, device_type), ());
+
+CREATE OR REPLACE VIEW run_summary AS
+SELECT * EXCLUDE (level, target_model, draft_model, draft_kind, device_type)
+FROM cost_rollup WHERE level = 'run' ORDER BY started_at, run_id;
+
+CREATE OR REPLACE VIEW model_pair_summary AS
+SELECT * EXCLUDE (level, run_id, device_types, draft_kinds, model_pairs)
+FROM cost_rollup WHERE level = 'model_pair' ORDER BY cost_per_1m_tokens;
+
+-- Acceptance by draft position (0 = first drafted token), per run and over all runs (run_id NULL).
+CREATE OR REPLACE VIEW position_acceptance AS
+WITH positions AS (
+    SELECT run_id,
+           generate_subscripts(proposed_per_position, 1) - 1 AS position,
+           unnest(accepted_per_position) AS accepted,
+           unnest(proposed_per_position) AS proposed
+    FROM metrics
+)
+SELECT CASE WHEN grouping(run_id) = 0 THEN 'run' ELSE 'total' END AS level,
+       run_id, position, sum(accepted) AS accepted, sum(proposed) AS proposed,
+       sum(accepted) / nullif(sum(proposed), 0) AS acceptance_rate
+FROM positions
+GROUP BY GROUPING SETS ((run_id, position), (position))
+ORDER BY level, run_id, position;
+
+-- Throughput by the largest batch bucket a shard used (per shard task, i.e. per worker).
+CREATE OR REPLACE VIEW bucket_throughput AS
+SELECT device_type, draft_kind, batch_bucket, count(*) AS shards,
+       sum(generated_tokens) AS generated_tokens, sum(wall_seconds) AS wall_seconds,
+       sum(generated_tokens) / nullif(sum(wall_seconds), 0) AS tokens_per_second
+FROM metrics
+GROUP BY device_type, draft_kind, batch_bucket
+ORDER BY device_type, draft_kind, batch_bucket;
+
+-- Every committed shard, costliest first.
+CREATE OR REPLACE VIEW costliest_shards AS
+SELECT run_id, shard_id, device_type, draft_kind, generated_tokens, error_rows, wall_seconds,
+       tokens_per_second, acceptance_rate, padding_waste,
+       report_cost AS cost, report_cost_per_1m_tokens AS cost_per_1m_tokens
+FROM shard_costs
+ORDER BY report_cost DESC NULLS LAST, run_id, shard_id;
