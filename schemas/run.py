@@ -1,0 +1,202 @@
+"""Run configuration: what to read, how to generate, where to commit, what it may cost.
+
+Loaded from YAML or JSON, overridable with `--set a.b=value`. The config never holds
+credentials: S3 keys come from the environment or a named Prefect Secret block, so a config
+(and its hash) can be written next to the outputs safely.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import string
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from schemas.engine import EngineConfig, SamplingParams
+
+InputFormat = Literal["auto", "jsonl", "jsonl.gz", "parquet"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message lists every bad field and what is expected."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InputSpec(_Strict):
+    """Where records come from and how a record becomes a prompt.
+
+    Exactly one of `prompt_field` (plain text), `template` (`{field}` placeholders filled from the
+    record) or `messages_field` (a chat: list of {"role", "content"}) says how to build the prompt.
+    """
+
+    uri: str = Field(description="file, directory or glob; local path or s3://bucket/key")
+    format: InputFormat = Field("auto", description="auto = from the file extension")
+    id_field: str | None = Field(None, description="stable record id; default source:offset")
+    prompt_field: str | None = None
+    template: str | None = None
+    messages_field: str | None = None
+
+    @model_validator(mode="after")
+    def _one_prompt_source(self) -> InputSpec:
+        given = [f for f in ("prompt_field", "template", "messages_field") if getattr(self, f)]
+        if len(given) != 1:
+            raise ValueError(
+                "set exactly one of input.prompt_field, input.template, input.messages_field "
+                f"(got {given or 'none'})"
+            )
+        if self.template is not None:
+            fields = template_fields(self.template)
+            if not fields:
+                raise ValueError("input.template needs at least one {field} placeholder")
+        return self
+
+
+def template_fields(template: str) -> list[str]:
+    """The `{field}` names a template uses; raises ValueError on a malformed template."""
+    names = []
+    for _, name, spec, conversion in string.Formatter().parse(template):
+        if name is None:
+            continue
+        if not name.isidentifier() or spec or conversion:
+            raise ValueError(
+                f"input.template placeholder {{{name}}} must be a plain field name like {{title}}"
+            )
+        names.append(name)
+    return names
+
+
+class GenerationSpec(_Strict):
+    engine: EngineConfig
+    sampling: SamplingParams = SamplingParams()
+    warmup: bool = Field(True, description="compile/run every grid shape once per worker")
+
+
+class ShardingSpec(_Strict):
+    rows_per_shard: int = Field(256, ge=1, description="target rows per shard")
+
+
+class StorageSpec(_Strict):
+    """How to reach object storage. Holds no secrets: only where to find them."""
+
+    endpoint_url: str | None = None
+    key_env: str = Field("AWS_ACCESS_KEY_ID", description="env var holding the access key")
+    secret_env: str = Field("AWS_SECRET_ACCESS_KEY", description="env var holding the secret")
+    prefect_secret_block: str | None = Field(
+        None, description='Prefect Secret block whose value is {"key": ..., "secret": ...}'
+    )
+
+
+class PricingSpec(_Strict):
+    device_type: str = Field("cpu", description="key into schemas/prices.yaml")
+    usd_per_device_hour: float | None = Field(None, ge=0, description="overrides the price table")
+
+
+class DispatchSpec(_Strict):
+    """local: shard tasks run in this flow's process. deployment: batches of shards are sent to
+    a `generate_shards` deployment (one flow run per batch, e.g. one pod per accelerator)."""
+
+    mode: Literal["local", "deployment"] = "local"
+    deployment: str = "generate-shards/default"
+    shards_per_run: int = Field(4, ge=1)
+
+
+class RunConfig(_Strict):
+    input: InputSpec
+    generation: GenerationSpec
+    output: str = Field(description="output root, local path or s3://bucket/prefix")
+    sharding: ShardingSpec = ShardingSpec()
+    storage: StorageSpec = StorageSpec()
+    accelerator_slots: int = Field(1, ge=1, description="shards generating at once, all workers")
+    devices_per_slot: int = Field(1, ge=1, description="devices one engine occupies (for cost)")
+    concurrency_limit: str = Field(
+        "corpusgen-accelerators", description="Prefect global concurrency limit name"
+    )
+    seed: int = 0
+    pricing: PricingSpec = PricingSpec()
+    cost_cap_usd: float | None = Field(None, gt=0)
+    dispatch: DispatchSpec = DispatchSpec()
+    shard_timeout_seconds: float = Field(3600, gt=0)
+    shard_retries: int = Field(2, ge=0, description="retries on I/O errors, exponential backoff")
+    run_id: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z0-9_-]+$",
+        description="default: derived from what determines the output, so reruns resume",
+    )
+
+    def resolved_run_id(self) -> str:
+        """Same input/generation/sharding/seed/output -> same run id -> a rerun resumes."""
+        if self.run_id:
+            return self.run_id
+        identity = self.model_dump(
+            mode="json", include={"input", "generation", "sharding", "seed", "output"}
+        )
+        return "r" + _sha256_json(identity)[:12]
+
+    def config_hash(self) -> str:
+        """Hash of the whole config; it holds no secrets by construction."""
+        return _sha256_json(self.model_dump(mode="json"))[:16]
+
+
+def _sha256_json(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
+
+
+def format_validation_error(error: ValidationError) -> str:
+    lines = [f"invalid run config ({error.error_count()} problem(s)):"]
+    for item in error.errors():
+        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        message = item["msg"].removeprefix("Value error, ")
+        if item["type"] == "extra_forbidden":
+            message = "unknown field; remove it (credentials belong in the environment)"
+        lines.append(f"  - {where}: {message}")
+    return "\n".join(lines)
+
+
+def set_override(data: dict[str, Any], assignment: str) -> None:
+    """Apply one `a.b=value` override in place; value is parsed as YAML (numbers, lists, null)."""
+    if "=" not in assignment:
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. seed=3")
+    key, raw = assignment.split("=", 1)
+    parts = key.strip().split(".")
+    node = data
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {part!r} is not a section")
+        node = child
+    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else ""
+
+
+def parse_run_config(
+    source: RunConfig | dict[str, Any] | str | Path, overrides: tuple[str, ...] | list[str] = ()
+) -> RunConfig:
+    """Build a RunConfig from a dict or a YAML/JSON file path; ConfigError lists all problems."""
+    if isinstance(source, RunConfig) and not overrides:
+        return source
+    if isinstance(source, RunConfig):
+        data = source.model_dump(mode="json")
+    elif isinstance(source, dict):
+        data = json.loads(json.dumps(source))
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ConfigError(f"config file {str(path)!r} not found")
+        try:
+            data = yaml.safe_load(path.read_text())  # JSON is YAML too
+        except yaml.YAMLError as error:
+            raise ConfigError(f"config file {str(path)!r} is not YAML/JSON: {error}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"config file {str(path)!r} must hold a mapping at the top level")
+    for assignment in overrides:
+        set_override(data, assignment)
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as error:
+        raise ConfigError(format_validation_error(error)) from None

@@ -1,0 +1,66 @@
+"""Where a run's files live. Hive partitions (`run_date=.../run_id=...`) let pyarrow.dataset and
+DuckDB read `data/`, `errors/` and `metrics/` across runs; `_attempts/` (skipped by readers
+because of its leading underscore) holds files not yet committed.
+
+    {root}/plan/run_date=D/run_id=R/plan.json
+    {root}/manifests/{run_id}.{shard_id}.json      <- the commit point; lists the files below
+    {root}/_attempts/run_date=D/run_id=R/{shard_id}/{attempt}/{kind}.parquet
+    {root}/{data,errors,metrics}/run_date=D/run_id=R/{shard_id}.parquet
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from dataclasses import dataclass
+
+from fsspec import AbstractFileSystem
+
+PUBLISHED_KINDS = ("data", "errors", "metrics")
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    fs: AbstractFileSystem
+    root: str
+    run_id: str
+    run_date: str
+
+    @classmethod
+    def locate(cls, fs: AbstractFileSystem, root: str, run_id: str) -> RunLayout:
+        """The layout of `run_id`: the date it was first planned on, else today (UTC)."""
+        existing = sorted(fs.glob(f"{root}/plan/run_date=*/run_id={run_id}/plan.json"))
+        if existing:
+            run_date = existing[0].split("run_date=")[-1].split("/")[0]
+        else:
+            run_date = dt.datetime.now(dt.UTC).date().isoformat()
+        return cls(fs=fs, root=root, run_id=run_id, run_date=run_date)
+
+    def _partition(self, kind: str) -> str:
+        return f"{self.root}/{kind}/run_date={self.run_date}/run_id={self.run_id}"
+
+    @property
+    def plan_path(self) -> str:
+        return f"{self._partition('plan')}/plan.json"
+
+    @property
+    def manifests_glob(self) -> str:
+        return f"{self.root}/manifests/{self.run_id}.*.json"
+
+    def manifest(self, shard_id: str) -> str:
+        return f"{self.root}/manifests/{self.run_id}.{shard_id}.json"
+
+    def shard_id_of_manifest(self, path: str) -> str:
+        return path.rsplit("/", 1)[-1].removeprefix(f"{self.run_id}.").removesuffix(".json")
+
+    def attempt_dir(self, shard_id: str, attempt_id: str) -> str:
+        return f"{self._partition('_attempts')}/{shard_id}/{attempt_id}"
+
+    def published(self, kind: str, shard_id: str) -> str:
+        return f"{self.root}/{self.relative_published(kind, shard_id)}"
+
+    def relative_published(self, kind: str, shard_id: str) -> str:
+        """What manifests list (relative to the root, so the output can be moved or mirrored)."""
+        return f"{kind}/run_date={self.run_date}/run_id={self.run_id}/{shard_id}.parquet"
+
+    def published_dir(self, kind: str) -> str:
+        return self._partition(kind)

@@ -1,0 +1,206 @@
+"""Cut the input into shards without reading it all.
+
+Parquet shards are runs of whole row groups, JSONL shards are byte ranges (the reader aligns them
+to newlines: a line belongs to the range its first byte falls in), a .gz file is one shard.
+Shard ids hash (path, range, fingerprint) so a rerun on unchanged input plans the same ids and
+skips what is already committed; a changed file (ETag, or size + mtime) gets new ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zlib
+from dataclasses import asdict, dataclass
+
+import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
+
+from schemas.run import RunConfig
+from tasks.commit import create_exclusive
+from tasks.layout import RunLayout
+
+SAMPLE_BYTES = 256 * 1024
+GLOB_CHARS = "*?["
+EXTENSIONS = {
+    ".parquet": "parquet",
+    ".jsonl.gz": "jsonl.gz",
+    ".json.gz": "jsonl.gz",
+    ".ndjson.gz": "jsonl.gz",
+    ".jsonl": "jsonl",
+    ".json": "jsonl",
+    ".ndjson": "jsonl",
+}
+
+
+class InputError(ValueError):
+    """The input can't be planned (missing, unknown format, unreadable)."""
+
+
+@dataclass(frozen=True)
+class Shard:
+    shard_id: str
+    path: str
+    source: str  # path relative to the input root: part of record ids
+    format: str
+    start: int  # jsonl: byte offset; parquet: first row group; jsonl.gz: 0
+    end: int  # exclusive; jsonl: byte offset; parquet: row group; jsonl.gz: file size
+    first_row: int  # parquet: index of the shard's first row in its file
+    estimated_rows: int
+    fingerprint: str
+
+
+@dataclass(frozen=True)
+class Plan:
+    run_id: str
+    run_date: str
+    config_hash: str
+    shards: list[Shard]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        data = json.loads(text)
+        return cls(**{**data, "shards": [Shard(**shard) for shard in data["shards"]]})
+
+    def select(self, shard_ids: list[str]) -> list[Shard]:
+        by_id = {shard.shard_id: shard for shard in self.shards}
+        unknown = [shard_id for shard_id in shard_ids if shard_id not in by_id]
+        if unknown:
+            raise ValueError(f"shard ids not in the plan of run {self.run_id}: {unknown[:5]}")
+        return [by_id[shard_id] for shard_id in shard_ids]
+
+
+def detect_format(path: str, configured: str) -> str:
+    if configured != "auto":
+        return configured
+    for extension, fmt in EXTENSIONS.items():
+        if path.endswith(extension):
+            return fmt
+    raise InputError(
+        f"input file {path!r}: unknown extension; use .jsonl, .jsonl.gz or .parquet, "
+        "or set input.format"
+    )
+
+
+def list_input_files(fs: AbstractFileSystem, pattern: str) -> tuple[list[str], str]:
+    """Files matching a path, directory or glob (sorted), and the root they are named from."""
+    magic = min((pattern.find(c) for c in GLOB_CHARS if c in pattern), default=-1)
+    if magic >= 0:
+        files = [p for p in fs.glob(pattern) if fs.isfile(p)]
+        root = pattern[:magic].rsplit("/", 1)[0]
+    elif fs.isdir(pattern):
+        files = [p for p in fs.find(pattern) if any(p.endswith(e) for e in EXTENSIONS)]
+        root = pattern
+    elif fs.isfile(pattern):
+        files, root = [pattern], pattern.rsplit("/", 1)[0]
+    else:
+        files, root = [], pattern
+    if not files:
+        raise InputError(f"input.uri {pattern!r} matches no input files; check the path or glob")
+    return sorted(files), root
+
+
+def _fingerprint(info: dict) -> str:
+    etag = info.get("ETag") or info.get("etag")
+    if etag:
+        return f"etag:{etag.strip(chr(34))}"
+    modified = info.get("mtime") or info.get("LastModified") or info.get("created")
+    return f"size:{info['size']}:mtime:{modified}"
+
+
+def _shard_id(path: str, start: int, end: int, fingerprint: str) -> str:
+    return hashlib.sha256(f"{path}|{start}|{end}|{fingerprint}".encode()).hexdigest()[:16]
+
+
+def _bytes_per_row(sample: bytes) -> float:
+    lines = sample.count(b"\n")
+    return len(sample) / lines if lines else max(len(sample), 1)
+
+
+def _plan_jsonl(fs, path, source, size, fingerprint, rows_per_shard) -> list[Shard]:
+    with fs.open(path, "rb") as file:
+        bytes_per_row = _bytes_per_row(file.read(SAMPLE_BYTES))
+    step = max(int(bytes_per_row * rows_per_shard), 1)
+    shards = []
+    for start in range(0, size, step):
+        end = min(start + step, size)
+        shards.append(
+            Shard(_shard_id(path, start, end, fingerprint), path, source, "jsonl", start, end, 0,
+                  max(round((end - start) / bytes_per_row), 1), fingerprint)
+        )
+    return shards
+
+
+def _plan_gzip(fs, path, source, size, fingerprint) -> list[Shard]:
+    with fs.open(path, "rb") as file:
+        compressed = file.read(SAMPLE_BYTES)
+    inflater = zlib.decompressobj(wbits=31)
+    try:
+        lines = inflater.decompress(compressed).count(b"\n")
+    except zlib.error as error:
+        raise InputError(f"input file {path!r} is not valid gzip: {error}") from None
+    consumed = len(compressed) - len(inflater.unconsumed_tail)
+    estimated = round(lines * size / max(consumed, 1))
+    shard_id = _shard_id(path, 0, size, fingerprint)
+    return [Shard(shard_id, path, source, "jsonl.gz", 0, size, 0, estimated, fingerprint)]
+
+
+def _plan_parquet(fs, path, source, fingerprint, rows_per_shard) -> list[Shard]:
+    try:
+        with fs.open(path, "rb") as file:
+            metadata = pq.ParquetFile(file).metadata
+    except Exception as error:
+        raise InputError(f"input file {path!r} is not readable Parquet: {error}") from None
+    shards, group, first_row, rows = [], 0, 0, 0
+    for index in range(metadata.num_row_groups):
+        rows += metadata.row_group(index).num_rows
+        last = index == metadata.num_row_groups - 1
+        if rows >= rows_per_shard or last:
+            end = index + 1
+            shards.append(
+                Shard(_shard_id(path, group, end, fingerprint), path, source, "parquet", group,
+                      end, first_row, rows, fingerprint)
+            )
+            group, first_row, rows = end, first_row + rows, 0
+    return shards
+
+
+def plan_shards(fs: AbstractFileSystem, config: RunConfig, input_path: str) -> list[Shard]:
+    files, root = list_input_files(fs, input_path)
+    shards: list[Shard] = []
+    for path in files:
+        fmt = detect_format(path, config.input.format)
+        info = fs.info(path)
+        source = path[len(root) :].lstrip("/") or path.rsplit("/", 1)[-1]
+        fingerprint = _fingerprint(info)
+        rows_per_shard = config.sharding.rows_per_shard
+        if info["size"] == 0:
+            continue
+        if fmt == "parquet":
+            shards += _plan_parquet(fs, path, source, fingerprint, rows_per_shard)
+        elif fmt == "jsonl.gz":
+            shards += _plan_gzip(fs, path, source, info["size"], fingerprint)
+        else:
+            shards += _plan_jsonl(fs, path, source, info["size"], fingerprint, rows_per_shard)
+    return shards
+
+
+def write_plan(layout: RunLayout, plan: Plan) -> Plan:
+    """Record the plan before generating. An existing plan for the run must match (same shard
+    ids): otherwise the input changed under a run that is being resumed."""
+    if create_exclusive(layout.fs, layout.plan_path, plan.to_json().encode()):
+        return plan
+    existing = Plan.from_json(layout.fs.cat_file(layout.plan_path).decode())
+    if [s.shard_id for s in existing.shards] != [s.shard_id for s in plan.shards]:
+        raise InputError(
+            f"run {plan.run_id} was planned on different input ({layout.plan_path}); the input "
+            "changed since. Restore it, or start a new run (set run_id or another output)."
+        )
+    return existing
+
+
+def new_plan(layout: RunLayout, config: RunConfig, shards: list[Shard]) -> Plan:
+    return Plan(layout.run_id, layout.run_date, config.config_hash(), shards)

@@ -1,0 +1,161 @@
+"""Read one shard's range and turn its records into prompts, or into error rows.
+
+A bad record never stops the shard: it becomes an error row (shard, row, reason, raw value).
+Record ids are the id field, else `source:offset` (byte offset for JSONL, row for Parquet), so
+they are stable across reruns; so is the per-record seed derived from them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow.parquet as pq
+from fsspec import AbstractFileSystem
+
+from schemas.run import InputSpec, template_fields
+from tasks.planning import Shard
+
+RAW_LIMIT = 500
+CHAT_ROLES = {"system", "user", "assistant"}
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass(frozen=True)
+class Record:
+    row: int
+    record_id: str
+    prompt: Prompt
+    prompt_text: str  # what the data table stores (chats as JSON)
+    seed: int
+
+
+@dataclass(frozen=True)
+class BadRecord:
+    row: int
+    record_id: str  # the id field when readable, else source:offset
+    reason: str
+    raw: str
+
+
+def truncate(text: str) -> str:
+    return text if len(text) <= RAW_LIMIT else text[:RAW_LIMIT] + "…"
+
+
+def record_seed(run_seed: int, record_id: str) -> int:
+    """A per-record seed from (run seed, record id): stable across reruns and shard layouts."""
+    digest = hashlib.sha256(f"{run_seed}:{record_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def _jsonl_lines(
+    file: io.BufferedIOBase, start: int, end: int | None
+) -> Iterator[tuple[int, bytes]]:
+    """Lines whose first byte lies in [start, end): the newline-aligned reading of a byte range."""
+    if start > 0:
+        file.seek(start - 1)
+        file.readline()  # finish the line that started before us (or eat the newline at start-1)
+    position = file.tell()
+    while end is None or position < end:
+        line = file.readline()
+        if not line:
+            return
+        yield position, line
+        position += len(line)
+
+
+def _raw_items(fs: AbstractFileSystem, shard: Shard) -> Iterator[tuple[int, str, Any]]:
+    """(offset, raw text, parsed value or the parse error) for each record of the shard."""
+    if shard.format == "parquet":
+        with fs.open(shard.path, "rb") as file:
+            table = pq.ParquetFile(file).read_row_groups(range(shard.start, shard.end))
+        for index, row in enumerate(table.to_pylist()):
+            yield shard.first_row + index, json.dumps(row, default=str), row
+        return
+    compressed = shard.format == "jsonl.gz"
+    with fs.open(shard.path, "rb", compression="gzip" if compressed else None) as file:
+        start, end = (0, None) if compressed else (shard.start, shard.end)
+        for offset, line in _jsonl_lines(file, start, end):
+            text = line.decode("utf-8", errors="replace").rstrip("\r\n")
+            if not text.strip():
+                continue
+            try:
+                yield offset, text, json.loads(text)
+            except json.JSONDecodeError as error:
+                yield offset, text, error
+
+
+def _field(record: dict, name: str, kinds: tuple[type, ...], expected: str) -> Any:
+    if name not in record or record[name] is None:
+        raise ValueError(f"missing_field: {name!r} is missing")
+    value = record[name]
+    if not isinstance(value, kinds) or isinstance(value, bool):
+        raise ValueError(f"wrong_type: {name!r} is {type(value).__name__}, expected {expected}")
+    return value
+
+
+def _chat(value: Any, name: str) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"wrong_type: {name!r} must be a non-empty list of messages")
+    for index, message in enumerate(value):
+        if (
+            not isinstance(message, dict)
+            or message.get("role") not in CHAT_ROLES
+            or not isinstance(message.get("content"), str)
+        ):
+            raise ValueError(
+                f"wrong_type: {name}[{index}] must be {{'role': one of {sorted(CHAT_ROLES)}, "
+                "'content': string}"
+            )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+def build_prompt(record: dict, spec: InputSpec) -> tuple[Prompt, str]:
+    """The prompt for the engine and its text for the data table; ValueError says why not."""
+    if spec.messages_field:
+        messages = _chat(record.get(spec.messages_field), spec.messages_field)
+        if not any(m["content"].strip() for m in messages):
+            raise ValueError("empty_prompt: every message is empty")
+        return messages, json.dumps(messages, ensure_ascii=False)
+    if spec.template:
+        values = {
+            name: _field(record, name, (str, int, float), "string or number")
+            for name in template_fields(spec.template)
+        }
+        prompt = spec.template.format_map(values)
+    else:
+        prompt = _field(record, spec.prompt_field, (str,), "string")
+    if not prompt.strip():
+        raise ValueError("empty_prompt: the prompt is empty")
+    return prompt, prompt
+
+
+def read_shard(
+    fs: AbstractFileSystem, shard: Shard, spec: InputSpec, run_seed: int
+) -> tuple[list[Record], list[BadRecord]]:
+    """Every record in the shard's range, split into usable prompts and error rows."""
+    good: list[Record] = []
+    bad: list[BadRecord] = []
+    seen: set[str] = set()
+    for row, (offset, raw, value) in enumerate(_raw_items(fs, shard)):
+        record_id = f"{shard.source}:{offset}"
+        try:
+            if isinstance(value, json.JSONDecodeError):
+                raise ValueError(f"malformed_json: {value.msg} at column {value.colno}")
+            if not isinstance(value, dict):
+                raise ValueError(f"wrong_type: record is {type(value).__name__}, expected object")
+            if spec.id_field:
+                record_id = str(_field(value, spec.id_field, (str, int), "string or integer"))
+                if record_id in seen:
+                    raise ValueError(f"duplicate_id: {record_id!r} already used in this shard")
+                seen.add(record_id)
+            prompt, text = build_prompt(value, spec)
+        except ValueError as error:
+            bad.append(BadRecord(row, record_id, str(error), truncate(raw)))
+            continue
+        good.append(Record(row, record_id, prompt, text, record_seed(run_seed, record_id)))
+    return good, bad

@@ -1,0 +1,51 @@
+"""Filesystems for input and output URIs, with credentials resolved at the last moment.
+
+Credentials live only in the filesystem objects built here: never in configs, plans, manifests,
+metrics, logs or artifacts.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import fsspec
+from fsspec import AbstractFileSystem
+
+from schemas.run import StorageSpec
+
+
+def _credentials(storage: StorageSpec) -> dict[str, str]:
+    if storage.prefect_secret_block:
+        from prefect.blocks.system import Secret
+
+        value = Secret.load(storage.prefect_secret_block).get()
+        if not isinstance(value, dict) or not {"key", "secret"} <= value.keys():
+            raise ValueError(
+                f"Prefect Secret block {storage.prefect_secret_block!r} must hold "
+                '{"key": ..., "secret": ...}'
+            )
+        return {"key": value["key"], "secret": value["secret"]}
+    found = {name: os.environ.get(var) for name, var in
+             (("key", storage.key_env), ("secret", storage.secret_env))}
+    return {name: value for name, value in found.items() if value}
+
+
+def storage_options(uri: str, storage: StorageSpec) -> dict[str, Any]:
+    """fsspec options for `uri`; empty for local paths."""
+    if not uri.startswith("s3://"):
+        return {}
+    options: dict[str, Any] = _credentials(storage)
+    if storage.endpoint_url:
+        options["endpoint_url"] = storage.endpoint_url
+    return options
+
+
+def filesystem(uri: str, storage: StorageSpec) -> tuple[AbstractFileSystem, str]:
+    """The filesystem holding `uri` and the path inside it (no protocol)."""
+    fs, path = fsspec.core.url_to_fs(uri, **storage_options(uri, storage))
+    return fs, path.rstrip("/")
+
+
+def is_local(fs: AbstractFileSystem) -> bool:
+    return "file" in fs.protocol if isinstance(fs.protocol, tuple) else fs.protocol == "file"
