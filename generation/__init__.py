@@ -1,0 +1,7 @@
+"""The generation engine: static-shape, batched, speculative. No Prefect imports here."""
+
+from generation.engine import ENGINE_VERSION, Engine
+from generation.metrics import EngineStats
+from generation.types import Completion
+
+__all__ = ["ENGINE_VERSION", "Completion", "Engine", "EngineStats"]

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from schemas.engine import EngineConfig, SamplingParams
+from schemas.pricing import UnknownDeviceError, load_prices, price_for
 
 InputFormat = Literal["auto", "jsonl", "jsonl.gz", "parquet"]
 
@@ -96,6 +97,20 @@ class StorageSpec(_Strict):
 class PricingSpec(_Strict):
     device_type: str = Field("cpu", description="key into schemas/prices.yaml")
     usd_per_device_hour: float | None = Field(None, ge=0, description="overrides the price table")
+
+    @model_validator(mode="after")
+    def _priced(self) -> PricingSpec:
+        if self.usd_per_device_hour is None:
+            try:
+                price_for(load_prices(), self.device_type)
+            except UnknownDeviceError as error:
+                raise ValueError(f"{error}; or set pricing.usd_per_device_hour") from None
+        return self
+
+    def usd_per_hour(self) -> float:
+        if self.usd_per_device_hour is not None:
+            return self.usd_per_device_hour
+        return price_for(load_prices(), self.device_type).usd_per_hour
 
 
 class DispatchSpec(_Strict):

@@ -1,0 +1,452 @@
+"""The engine: continuous batching over static shapes, with optional speculative decoding.
+
+Host side decides (which row is live, how many tokens it keeps, when to refill or compact);
+the device side runs only grid-shaped forwards. Each batch row is a cache row ("slot"); a
+finished row's slot is refilled with the next waiting prompt so the batch stays full.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from generation import loading
+from generation.device import resolve_device
+from generation.metrics import DraftLengthChooser, EngineStats
+from generation.model import CausalLM, DecoderConfig
+from generation.proposers import ModelProposer, PromptLookupProposer
+from generation.quantize import quantized_copy
+from generation.rejection import verify
+from generation.runner import ModelRunner, bucket
+from generation.sampling import RowRandom, choose
+from generation.types import Completion
+from schemas import EngineConfig, ModelSpec, SamplingParams
+
+ENGINE_VERSION = "0.1.0"
+Prompt = str | list[dict] | list[int]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class _Row:
+    """One prompt in flight. `tokens` = prompt + generated; its last token is in no cache yet."""
+
+    index: int
+    tokens: list[int]
+    prompt_len: int
+    rng: RowRandom
+    finish: str | None = None
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: object
+    directory: Path
+    weights_sha256: str
+    eos_ids: frozenset[int]
+
+
+def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> LoadedModel:
+    directory = loading.resolve_model_dir(spec)
+    model = CausalLM(DecoderConfig.from_hf(loading.read_config(directory)), max_positions)
+    model.load_hf_weights(loading.load_state_dict(directory))
+    model = model.to_dtype(DTYPES[spec.dtype]).to(device).eval()
+    tokenizer = loading.load_tokenizer(directory)
+    eos = set(_as_list(loading.read_config(directory).get("eos_token_id")))
+    generation_config = directory / "generation_config.json"
+    if generation_config.is_file():
+        import json
+
+        eos |= set(_as_list(json.loads(generation_config.read_text()).get("eos_token_id")))
+    if tokenizer.eos_token_id is not None:
+        eos.add(tokenizer.eos_token_id)
+    return LoadedModel(
+        model, tokenizer, directory, loading.weights_sha256(directory), frozenset(eos)
+    )
+
+
+def _as_list(value) -> list[int]:
+    if value is None:
+        return []
+    return list(value) if isinstance(value, list | tuple) else [value]
+
+
+def _check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    t, d = target.tokenizer, draft.tokenizer
+    problems = []
+    if t.get_vocab() != d.get_vocab():
+        problems.append("vocabularies differ")
+    if t.all_special_tokens != d.all_special_tokens:
+        problems.append(f"special tokens differ ({t.all_special_tokens} vs {d.all_special_tokens})")
+    if target.model.config.vocab_size != draft.model.config.vocab_size:
+        problems.append("embedding sizes differ")
+    if problems:
+        raise ValueError(
+            f"draft model {draft.directory} cannot draft for {target.directory}: "
+            + "; ".join(problems)
+            + ". A draft must share the target's tokenizer; use kind='quantized' or 'prompt_lookup'."
+        )
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: LoadedModel,
+        device: torch.device,
+        proposer=None,
+        draft: LoadedModel | None = None,
+    ):
+        self.config, self.grid, self.device = config, config.bucket_grid, device
+        self.target_loaded, self.draft_loaded = target, draft
+        self.tokenizer = target.tokenizer
+        dtype = DTYPES[config.target.dtype]
+        self.target = ModelRunner(
+            target.model, self.grid, device, dtype, config.compile, config.hpu_graphs
+        )
+        self.proposer = proposer
+        fixed = None if config.num_draft_tokens == "auto" else config.num_draft_tokens
+        self.chooser = DraftLengthChooser(self.grid.draft_lengths, fixed)
+        self.max_draft = self.grid.draft_lengths[-1] if proposer else 0
+        self.reset_stats()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> Engine:
+        device = resolve_device(config.device)
+        grid = config.bucket_grid
+        target = load_model(config.target, grid.max_cache, device)
+        draft_spec, draft, proposer = config.draft, None, None
+        if draft_spec is not None and draft_spec.kind == "prompt_lookup":
+            proposer = PromptLookupProposer(draft_spec.ngram_max, draft_spec.ngram_min)
+        elif draft_spec is not None:
+            if draft_spec.kind == "model":
+                draft = load_model(draft_spec.model, grid.max_cache, device)
+                _check_same_tokenizer(target, draft)
+                draft_model, draft_dtype = draft.model, DTYPES[draft_spec.model.dtype]
+            else:
+                draft_model = quantized_copy(target.model, draft_spec.dtype)
+                draft_dtype = (
+                    DTYPES[config.target.dtype] if draft_spec.dtype == "int8" else torch.bfloat16
+                )
+            runner = ModelRunner(
+                draft_model, grid, device, draft_dtype, config.compile, config.hpu_graphs
+            )
+            proposer = ModelProposer(runner)
+        return cls(config, target, device, proposer, draft)
+
+    # ---- public helpers -------------------------------------------------------------------
+    @property
+    def max_prompt_tokens(self) -> int:
+        return self.grid.max_prompt
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
+
+    @property
+    def draft_kind(self) -> str:
+        return self.config.draft.kind if self.config.draft else "none"
+
+    @property
+    def model_info(self) -> dict:
+        draft = self.config.draft
+        draft_name = {None: "", "model": draft and draft.model and draft.model.path}.get(
+            draft and draft.kind, f"{self.config.target.path}#{draft and draft.kind}"
+        )
+        return {
+            "target_model": self.config.target.path,
+            "target_weights_sha256": self.target_loaded.weights_sha256,
+            "draft_model": draft_name or "",
+            "draft_weights_sha256": self.draft_loaded.weights_sha256 if self.draft_loaded else "",
+        }
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer(prompt).input_ids
+        if prompt and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(
+                prompt, tokenize=False, add_generation_prompt=True
+            )
+            return self.tokenizer(text, add_special_tokens=False).input_ids
+        raise TypeError("a prompt is a string, a list of chat messages, or a list of token ids")
+
+    def count_prompt_tokens(self, prompt: Prompt) -> int:
+        return len(self.encode(prompt))
+
+    def reset_stats(self) -> None:
+        self._stats = EngineStats()
+        self._base = self._runner_totals()
+
+    @property
+    def stats(self) -> EngineStats:
+        """Counters since the last reset_stats(); shape counts are the models' lifetime totals."""
+        stats = self._stats
+        now = self._runner_totals()
+        stats.target_forwards = now["target_forwards"] - self._base["target_forwards"]
+        stats.draft_forwards = now["draft_forwards"] - self._base["draft_forwards"]
+        computed = now["computed"] - self._base["computed"]
+        useful = now["useful"] - self._base["useful"]
+        stats.padding_waste = (computed - useful) / computed if computed else 0.0
+        stats.target_shapes = len(self.target.shapes)
+        stats.draft_shapes = len(self._draft_runner.shapes) if self._draft_runner else 0
+        stats.distinct_shapes = stats.target_shapes + stats.draft_shapes
+        stats.compiles = self.target.compiles + (
+            self._draft_runner.compiles if self._draft_runner else 0
+        )
+        return stats
+
+    @property
+    def _draft_runner(self) -> ModelRunner | None:
+        return self.proposer.runner if isinstance(self.proposer, ModelProposer) else None
+
+    def _runner_totals(self) -> dict:
+        runners = [self.target] + ([self._draft_runner] if self._draft_runner else [])
+        return {
+            "target_forwards": self.target.forwards,
+            "draft_forwards": self.proposer.forwards if self.proposer else 0,
+            "computed": sum(r.computed_slots for r in runners),
+            "useful": sum(r.useful_slots for r in runners),
+        }
+
+    def warmup(self) -> None:
+        """Run every grid shape (twice: the second run gives steady-state timings for choosing K)."""
+        grid = self.grid
+        runners = [
+            (self.target, [1] + [k + 1 for k in grid.draft_lengths] if self.proposer else [1])
+        ]
+        if self._draft_runner:
+            runners.append((self._draft_runner, [1, 2]))
+        for runner, lengths in runners:
+            for _ in range(2):
+                for b in grid.batch_sizes:
+                    for t in grid.prompt_lengths:
+                        runner.prefill([[0] * t] * b, list(range(b)))
+                    for t in lengths:
+                        for s in grid.cache_lengths:
+                            runner.decode(
+                                torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t), b
+                            )
+        self.reset_stats()
+
+    # ---- generation ------------------------------------------------------------------------
+    def generate(
+        self, prompts: Sequence[Prompt], params: SamplingParams, seeds: Sequence[int] | None = None
+    ) -> list[Completion]:
+        started = time.perf_counter()
+        results: list[Completion | None] = [None] * len(prompts)
+        waiting: deque[_Row] = deque()
+        for index, prompt in enumerate(prompts):
+            row, error = self._admit_row(
+                index, prompt, params, seeds[index] if seeds else params.seed
+            )
+            if error:
+                results[index] = Completion(
+                    [], "", "error", len(row.tokens) if row else 0, error=error
+                )
+            else:
+                waiting.append(row)
+        capacity = bucket(self.grid.batch_sizes, max(1, min(len(waiting), self.grid.max_batch)))
+        slots: list[_Row | None] = [None] * capacity
+        self._stats.batch_bucket_max = max(self._stats.batch_bucket_max, capacity if waiting else 0)
+        while waiting or any(slots):
+            self._refill(slots, waiting, params)
+            self._collect(slots, results, params)
+            if not any(slots):
+                continue
+            if not waiting:
+                self._compact(slots)
+            width = bucket(self.grid.batch_sizes, max(i for i, row in enumerate(slots) if row) + 1)
+            k = self._choose_k(width) if self.proposer else 0
+            if k:
+                self._speculative_step(slots[:width], k, params)
+            else:
+                self._decode_step(slots[:width], params)
+            self._collect(slots, results, params)
+        self._stats.wall_seconds += time.perf_counter() - started
+        s = self._stats
+        s.host_seconds = (
+            s.wall_seconds
+            - s.prefill_seconds
+            - s.decode_seconds
+            - s.draft_seconds
+            - s.verify_seconds
+        )
+        return results
+
+    def _admit_row(self, index: int, prompt: Prompt, params: SamplingParams, seed: int):
+        try:
+            ids = self.encode(prompt)
+        except (TypeError, ValueError) as exc:
+            return None, f"unusable prompt: {exc}"
+        row = _Row(index, ids, len(ids), RowRandom(seed))
+        if not ids:
+            return row, "empty prompt (0 tokens)"
+        if len(ids) > self.grid.max_prompt:
+            return row, (
+                f"prompt has {len(ids)} tokens, more than the largest prompt bucket "
+                f"({self.grid.max_prompt}); raise bucket_grid.prompt_lengths or shorten it"
+            )
+        if max(ids) >= self.target.model.config.vocab_size or min(ids) < 0:
+            return (
+                row,
+                f"token ids outside the vocabulary (0..{self.target.model.config.vocab_size - 1})",
+            )
+        return row, None
+
+    def _refill(
+        self, slots: list[_Row | None], waiting: deque[_Row], params: SamplingParams
+    ) -> None:
+        free = [i for i, row in enumerate(slots) if row is None]
+        admitted = [(slot, waiting.popleft()) for slot in free[: len(waiting)]]
+        if not admitted:
+            return
+        started = time.perf_counter()
+        prompts = [row.tokens for _, row in admitted]
+        rows = [slot for slot, _ in admitted]
+        logits = self.target.prefill(prompts, rows)
+        if self.proposer:
+            self.proposer.prefill(prompts, rows)
+        uniforms = self._uniforms([row for _, row in admitted], 1, params)
+        first = choose(logits, params, uniforms[:, 0]).tolist()
+        for (slot, row), token in zip(admitted, first, strict=True):
+            slots[slot] = row
+            self._stats.prompt_tokens += row.prompt_len
+            self._append(row, [token], params)
+        self._stats.prefill_seconds += time.perf_counter() - started
+
+    def _decode_step(self, batch: list[_Row | None], params: SamplingParams) -> None:
+        started = time.perf_counter()
+        tokens = torch.tensor([[row.tokens[-1] if row else 0] for row in batch])
+        starts = torch.tensor([len(row.tokens) - 1 if row else 0 for row in batch])
+        logits = self.target.decode(tokens, starts, sum(1 for row in batch if row))[:, 0]
+        uniforms = self._uniforms(batch, 1, params)
+        for row, token in zip(batch, choose(logits, params, uniforms[:, 0]).tolist(), strict=True):
+            if row:
+                self._append(row, [token], params)
+        self._stats.decode_seconds += time.perf_counter() - started
+
+    def _speculative_step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> None:
+        """One round: draft K per row, verify [b, K+1] in one target forward, keep per row."""
+        live = [row for row in batch if row]
+        uniforms = self._uniforms(batch, 2 * k + 1, params)  # K draft draws, K tests, 1 final
+        started = time.perf_counter()
+        contexts = [row.tokens if row else None for row in batch]
+        draft_tokens, draft_probs = self.proposer.propose(contexts, k, params, uniforms[:, :k])
+        drafted = time.perf_counter()
+        last = torch.tensor([[row.tokens[-1] if row else 0] for row in batch])
+        starts = torch.tensor([len(row.tokens) - 1 if row else 0 for row in batch])
+        logits = self.target.decode(torch.cat([last, draft_tokens], 1), starts, len(live))
+        accepted, next_token = verify(
+            logits, draft_tokens.to(logits.device), draft_probs, params, uniforms[:, k:]
+        )
+        accepted, next_token = accepted.tolist(), next_token.tolist()
+        self._stats.draft_seconds += drafted - started
+        self._stats.verify_seconds += time.perf_counter() - drafted
+        counts = []
+        for i, row in enumerate(batch):
+            if row is None:
+                continue
+            kept = accepted[i]
+            counts.append(kept)
+            row.rounds += 1
+            row.proposed += k
+            row.accepted += kept
+            row.accepted_per_position += [0] * (k - len(row.accepted_per_position))
+            for position in range(kept):
+                row.accepted_per_position[position] += 1
+            self._append(row, draft_tokens[i, :kept].tolist() + [next_token[i]], params)
+        self._stats.record_round(k, counts)
+        self.chooser.observe(k, counts)
+
+    def _choose_k(self, width: int) -> int:
+        def target_seconds(t: int) -> float:
+            return self.target.mean_seconds(width, t)
+
+        return self.chooser.choose(target_seconds, lambda k: self.proposer.seconds_for(width, k))
+
+    def _uniforms(
+        self, batch: list[_Row | None], count: int, params: SamplingParams
+    ) -> torch.Tensor:
+        if params.greedy:
+            return torch.zeros(len(batch), count, dtype=torch.float64)
+        return torch.stack(
+            [
+                row.rng.uniforms(count) if row else torch.zeros(count, dtype=torch.float64)
+                for row in batch
+            ]
+        )
+
+    def _append(self, row: _Row, new_tokens: list[int], params: SamplingParams) -> None:
+        """Commit tokens to a row, stopping at EOS / stop ids / stop strings / length limits."""
+        stop_ids = self.target_loaded.eos_ids | set(params.stop_token_ids)
+        room = self.grid.max_cache - self.max_draft - 1
+        for token in new_tokens:
+            row.tokens.append(token)
+            self._stats.tokens_generated += 1
+            if token in stop_ids or (params.stop and self._hit_stop_string(row, params.stop)):
+                row.finish = "stop"
+            elif len(row.generated) >= params.max_new_tokens or len(row.tokens) >= room:
+                row.finish = "length"
+            if row.finish:
+                return
+
+    def _hit_stop_string(self, row: _Row, stops: list[str]) -> bool:
+        window = max(len(s) for s in stops) + 2
+        tail = self.tokenizer.decode(row.generated[-window:], skip_special_tokens=True)
+        return any(s in tail for s in stops)
+
+    def _collect(
+        self, slots: list[_Row | None], results: list[Completion | None], params: SamplingParams
+    ) -> None:
+        for slot, row in enumerate(slots):
+            if row and row.finish:
+                results[row.index] = self._completion(row, params.stop)
+                slots[slot] = None
+
+    def _completion(self, row: _Row, stops: list[str]) -> Completion:
+        text = self.tokenizer.decode(row.generated, skip_special_tokens=True)
+        cuts = [text.find(s) for s in stops if s in text]
+        if cuts:  # like vLLM, the stop string itself is not part of the text
+            text = text[: min(cuts)]
+        return Completion(
+            token_ids=list(row.generated),
+            text=text,
+            finish_reason=row.finish,
+            prompt_tokens=row.prompt_len,
+            rounds=row.rounds,
+            proposed=row.proposed,
+            accepted=row.accepted,
+            accepted_per_position=row.accepted_per_position,
+        )
+
+    def _compact(self, slots: list[_Row | None]) -> None:
+        """With no prompt waiting, move live rows to the front when a smaller bucket fits them."""
+        live = [i for i, row in enumerate(slots) if row]
+        width = bucket(self.grid.batch_sizes, max(live) + 1)
+        if bucket(self.grid.batch_sizes, len(live)) == width:
+            return
+        destinations = list(range(len(live)))
+        moves = [(s, d) for s, d in zip(live, destinations, strict=True) if s != d]
+        sources, targets = [s for s, _ in moves], [d for _, d in moves]
+        for runner in (self.target, self._draft_runner):
+            if runner:
+                runner.cache.move_rows(sources, targets)
+        rows = [slots[i] for i in live]
+        for i in range(len(slots)):
+            slots[i] = rows[i] if i < len(rows) else None

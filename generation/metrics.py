@@ -1,0 +1,107 @@
+"""Speculation accounting and the choice of K. Definitions follow vLLM:
+acceptance rate = accepted / proposed; mean accepted length = 1 + accepted / rounds, where a
+round is one row's proposal-and-verification (so a batch-8 round counts 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class EngineStats:
+    tokens_generated: int = 0
+    prompt_tokens: int = 0
+    padding_waste: float = 0.0  # padded / computed token slots, all forwards of all models
+    batch_bucket_max: int = 0
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    distinct_shapes: int = 0
+    target_shapes: int = 0
+    draft_shapes: int = 0
+    compiles: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
+    host_seconds: float = 0.0
+    wall_seconds: float = 0.0
+    rounds: int = 0
+    proposed: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    proposed_per_position: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    def record_round(self, k: int, accepted: list[int]) -> None:
+        if len(self.accepted_per_position) < k:
+            grow = k - len(self.accepted_per_position)
+            self.accepted_per_position += [0] * grow
+            self.proposed_per_position += [0] * grow
+        for count in accepted:
+            self.rounds += 1
+            self.proposed += k
+            self.accepted += count
+            for position in range(k):
+                self.proposed_per_position[position] += 1
+                self.accepted_per_position[position] += position < count
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {
+            "acceptance_rate": self.acceptance_rate,
+            "mean_accepted_length": self.mean_accepted_length,
+        }
+
+
+class DraftLengthChooser:
+    """Picks K (0 = plain decoding) maximising expected tokens per second for the batch.
+
+    Expected tokens per row per round with acceptance alpha: (1 - alpha^(K+1)) / (1 - alpha).
+    Round time = measured draft time for K + measured target time for a [b, K+1] forward, so
+    the cost of verifying at larger batch is measured, not assumed free. alpha is a decayed
+    estimate from recent rounds (geometric MLE); while K = 0 wins, every `explore_every` steps
+    one round at the smallest K keeps alpha fresh.
+    """
+
+    def __init__(
+        self, grid_ks: list[int], fixed: int | None, explore_every: int = 16, decay: float = 0.9
+    ):
+        self.grid_ks, self.fixed = grid_ks, fixed
+        self.explore_every, self.decay = explore_every, decay
+        self.accepted, self.trials = 1.0, 2.0  # prior alpha = 0.5, weak
+        self.plain_steps = 0
+
+    @property
+    def alpha(self) -> float:
+        return min(self.accepted / self.trials, 0.999)
+
+    def observe(self, k: int, accepted: list[int]) -> None:
+        self.accepted *= self.decay
+        self.trials *= self.decay
+        for count in accepted:
+            self.accepted += count
+            self.trials += count + (count < k)
+
+    def choose(self, target_seconds, draft_seconds) -> int:
+        """target_seconds(t) and draft_seconds(k): measured times at the current batch bucket."""
+        if self.fixed is not None:
+            return self.fixed
+        alpha = self.alpha
+        best_k, best_rate = 0, 1.0 / target_seconds(1)
+        for k in self.grid_ks:
+            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+            rate = tokens / (draft_seconds(k) + target_seconds(k + 1))
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        if best_k == 0:
+            self.plain_steps += 1
+            if self.plain_steps % self.explore_every == 0:
+                return self.grid_ks[0]
+        return best_k

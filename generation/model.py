@@ -1,0 +1,262 @@
+"""The engine's own Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2).
+
+gpt-fast style: the KV cache is one preallocated tensor pair per layer, the caller passes the
+positions explicitly, and every shape is decided by the caller, so compiled / HPU graphs replay.
+Weights keep Hugging Face's parameter names and load straight from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+class UnsupportedModelError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict | None
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    sliding_window: int | None
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> DecoderConfig:
+        """Read a config.json dict, accepting both transformers 4.x and 5.x key styles."""
+        model_type = raw.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedModelError(
+                f"model_type {model_type!r} is not supported by the corpusgen engine; "
+                f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        rope = raw.get("rope_parameters") or {}
+        scaling = raw.get("rope_scaling") or (
+            rope if rope.get("rope_type", "default") != "default" else None
+        )
+        if scaling is not None:
+            scaling_type = scaling.get("rope_type", scaling.get("type"))
+            if scaling_type not in ("default", "llama3"):
+                raise UnsupportedModelError(
+                    f"rope scaling {scaling_type!r} is not supported (llama3 is)"
+                )
+            if scaling_type == "default":
+                scaling = None
+        heads = raw["num_attention_heads"]
+        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        return cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
+            rope_scaling=scaling,
+            attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            mlp_bias=raw.get("mlp_bias", False),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            sliding_window=sliding,
+        )
+
+
+def rope_inverse_frequencies(config: DecoderConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq.float()
+    # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, smooth in between.
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    original = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (original / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > original / low, inv_freq / factor, inv_freq)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen <= original / low) & (wavelen >= original / high)
+    return torch.where(is_medium, blended, scaled).float()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        h, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
+        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.attention_bias)
+        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, mask, cache_k, cache_v, write_index, attend_len):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        q = q * cos + rotate_half(q) * sin
+        k = k * cos + rotate_half(k) * sin
+        cache_k.index_put_(write_index, k)
+        cache_v.index_put_(write_index, v)
+        if attend_len == 0:  # prefill from position 0: the new tokens are all there is to see
+            keys, values = k, v
+        else:  # decode: the first b cache rows, up to the covering cache-length bucket
+            keys, values = cache_k[:b, :, :attend_len], cache_v[:b, :, :attend_len]
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        bias = config.mlp_bias
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.self_attn = Attention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache_k, cache_v, write_index, attend_len):
+        x = x + self.self_attn(
+            self.input_layernorm(x), cos, sin, mask, cache_k, cache_v, write_index, attend_len
+        )
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderBackbone(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class KVCache:
+    """One preallocated [rows, kv_heads, length, head_dim] K and V tensor per layer.
+
+    Row `rows - 1` is scratch: padded batch entries write there so they never touch a live row.
+    A row's valid length is host-side state of the engine; rolling back is just a smaller length.
+    """
+
+    def __init__(self, config: DecoderConfig, rows: int, length: int, dtype, device):
+        shape = (rows, config.num_kv_heads, length, config.head_dim)
+        self.keys = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+        ]
+        self.values = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(config.num_layers)
+        ]
+        self.rows, self.length = rows, length
+
+    @property
+    def scratch_row(self) -> int:
+        return self.rows - 1
+
+    def move_rows(self, sources: list[int], destinations: list[int]) -> None:
+        """Compact live rows into a prefix so a smaller batch bucket can slice the cache."""
+        src = torch.tensor(sources, device=self.keys[0].device)
+        dst = torch.tensor(destinations, device=self.keys[0].device)
+        for tensor in (*self.keys, *self.values):
+            tensor.index_copy_(0, dst, tensor.index_select(0, src))
+
+
+class CausalLM(nn.Module):
+    """Decoder + LM head with one entry point, `forward`, taking fully static-shaped inputs."""
+
+    def __init__(self, config: DecoderConfig, max_positions: int):
+        super().__init__()
+        self.config = config
+        self.model = DecoderBackbone(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        freqs = torch.outer(torch.arange(max_positions).float(), rope_inverse_frequencies(config))
+        angles = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", angles.cos(), persistent=False)
+        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+
+    def forward(
+        self,
+        tokens: torch.Tensor,  # [b, t]
+        positions: torch.Tensor,  # [b, t] absolute position of each token
+        rows: torch.Tensor,  # [b] cache row of each batch entry
+        mask: torch.Tensor,  # [b, 1, t, keys] bool: which keys each query may see
+        logit_index: torch.Tensor,  # [b, n] which of the t positions need logits
+        cache: KVCache,
+        attend_len: int,  # 0: attend to this forward's tokens only; else cache prefix length
+    ) -> torch.Tensor:  # [b, n, vocab] float32 logits
+        x = self.model.embed_tokens(tokens)
+        cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
+        sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
+        heads = torch.arange(self.config.num_kv_heads, device=tokens.device)
+        write_index = (rows[:, None, None], heads[None, :, None], positions[:, None, :])
+        for layer, keys, values in zip(self.model.layers, cache.keys, cache.values, strict=True):
+            x = layer(x, cos, sin, mask, keys, values, write_index, attend_len)
+        x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self.model.norm(x)).float()
+
+    def to_dtype(self, dtype: torch.dtype) -> CausalLM:
+        """Cast weights, keeping the RoPE tables in fp32 (positions need the precision)."""
+        cos, sin = self.rope_cos, self.rope_sin
+        self.to(dtype)
+        self.rope_cos, self.rope_sin = cos, sin
+        return self
+
+    def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
+        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        if self.config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        missing, unexpected = self.load_state_dict(state, strict=False)
+        missing = [
+            k for k in missing if not (self.config.tie_word_embeddings and k == "lm_head.weight")
+        ]
+        if missing or unexpected:
+            raise ValueError(
+                f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )

@@ -1,0 +1,108 @@
+"""Proposers: what drafts the K tokens a speculation round verifies. One job each.
+
+Every proposer keeps its own per-row state in step with the target's committed tokens: a
+row's context is `tokens[slot]`, whose last token is not yet in any cache.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from generation.runner import ModelRunner
+from generation.sampling import choose, probabilities
+from schemas import SamplingParams
+
+
+class ModelProposer:
+    """A draft model (separate, or the target quantized) decoding K tokens autoregressively.
+
+    Its first step always feeds the last two context tokens: after a round where every draft
+    token was accepted the draft has not seen the K-th one, and re-feeding one position
+    otherwise is harmless. That keeps one static shape instead of a data-dependent branch.
+    """
+
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.seconds = 0.0
+
+    @property
+    def forwards(self) -> int:
+        return self.runner.forwards
+
+    def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
+        started = time.perf_counter()
+        self.runner.prefill(prompts, rows)
+        self.seconds += time.perf_counter() - started
+
+    def seconds_for(self, b: int, k: int) -> float:
+        return self.runner.mean_seconds(b, 2) + (k - 1) * self.runner.mean_seconds(b, 1)
+
+    def propose(
+        self,
+        contexts: list[list[int] | None],
+        k: int,
+        params: SamplingParams,
+        uniforms: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [b, K] and, when sampling, their probabilities [b, K, vocab].
+
+        `contexts[i]` is None for an idle row: it runs at position 0 of its own free cache row.
+        """
+        started = time.perf_counter()
+        idle = torch.tensor([ctx is None for ctx in contexts])
+        live = int((~idle).sum())
+        tokens = torch.tensor([ctx[-2:] if ctx else [0, 0] for ctx in contexts])
+        starts = torch.tensor([len(ctx) - 2 if ctx else 0 for ctx in contexts])
+        drafted, probs = [], []
+        for step in range(k):
+            logits = self.runner.decode(tokens, starts, live, last_only=True)[:, 0]
+            if not params.greedy:
+                probs.append(probabilities(logits, params))
+            token = choose(logits, params, uniforms[:, step]).cpu()
+            drafted.append(token)
+            starts = (starts + tokens.shape[1]).masked_fill(idle, 0)
+            tokens = token[:, None]
+        self.seconds += time.perf_counter() - started
+        draft = torch.stack(drafted, dim=1)
+        return draft, (torch.stack(probs, dim=1) if probs else None)
+
+
+class PromptLookupProposer:
+    """Copies what followed the latest earlier occurrence of the context's last n-gram.
+
+    Rows without a match propose a repeat of their last token; the verifier rejects it cheaply.
+    Deterministic, so the verifier treats its distribution as one-hot.
+    """
+
+    def __init__(self, ngram_max: int, ngram_min: int):
+        self.ngram_max, self.ngram_min = ngram_max, ngram_min
+        self.seconds = 0.0
+        self.forwards = 0
+        self.calls = 0
+
+    def seconds_for(self, b: int, k: int) -> float:
+        return self.seconds / self.calls if self.calls else 0.0
+
+    def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
+        """Nothing to precompute: the context itself is the draft's whole state."""
+
+    def propose(self, contexts, k, params, uniforms):
+        started = time.perf_counter()
+        drafts = [self._lookup(ctx, k) if ctx else [0] * k for ctx in contexts]
+        self.seconds += time.perf_counter() - started
+        self.calls += 1
+        return torch.tensor(drafts, dtype=torch.long), None
+
+    def _lookup(self, context: list[int], k: int) -> list[int]:
+        seq = np.asarray(context)
+        for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
+            tail = seq[-n:]
+            windows = np.lib.stride_tricks.sliding_window_view(seq[:-1], n)
+            hits = np.flatnonzero((windows == tail).all(axis=1))
+            if hits.size:
+                follow = seq[hits[-1] + n : hits[-1] + n + k].tolist()
+                return follow + [follow[-1]] * (k - len(follow))
+        return [int(seq[-1])] * k

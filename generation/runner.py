@@ -1,0 +1,148 @@
+"""Runs one model at static shapes: pads every call to a grid point, owns its KV cache, and
+counts the distinct shapes (and compiles) it executes, so "no new shape after warm-up" is a
+checkable fact, not a hope.
+"""
+
+from __future__ import annotations
+
+import time
+from bisect import bisect_left
+from collections import Counter
+
+import torch
+
+from generation import device as devices
+from generation.model import CausalLM, KVCache
+from schemas import BucketGrid
+
+
+def bucket(sizes: list[int], needed: int) -> int:
+    """The smallest grid size >= needed."""
+    index = bisect_left(sizes, needed)
+    if index == len(sizes):
+        raise ValueError(f"{needed} exceeds the largest bucket {sizes[-1]}")
+    return sizes[index]
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        grid: BucketGrid,
+        device: torch.device,
+        dtype: torch.dtype,
+        compile_model: bool = False,
+        hpu_graphs: bool = True,
+    ):
+        self.model, self.grid, self.device = model, grid, device
+        self.cache = KVCache(model.config, grid.max_batch + 1, grid.max_cache, dtype, device)
+        self.shapes: Counter[tuple] = Counter()
+        self.first_seconds: dict[tuple, float] = {}  # first call per shape: includes set-up
+        self.steady_seconds: Counter[tuple] = Counter()  # later calls, for choosing K
+        self.computed_slots = 0
+        self.useful_slots = 0
+        self.compiles = 0
+        self._forward = model.forward
+        if compile_model and device.type in ("cpu", "cuda"):
+            self._forward = torch.compile(
+                model.forward, dynamic=False, backend=self._counting_backend
+            )
+        elif hpu_graphs and device.type == "hpu":
+            self._forward = devices.wrap_in_hpu_graph(model).forward
+
+    def _counting_backend(self, graph_module, example_inputs):
+        from torch._inductor.compile_fx import compile_fx
+
+        self.compiles += 1
+        return compile_fx(graph_module, example_inputs)
+
+    @property
+    def forwards(self) -> int:
+        return sum(self.shapes.values())
+
+    def _run(self, key: tuple, useful: int, **inputs) -> torch.Tensor:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            logits = self._forward(cache=self.cache, **inputs)
+        devices.mark_step(self.device)
+        devices.synchronize(self.device)
+        elapsed = time.perf_counter() - started
+        if self.shapes[key]:
+            self.steady_seconds[key] += elapsed
+        else:
+            self.first_seconds[key] = elapsed
+        self.shapes[key] += 1
+        self.computed_slots += key[1] * key[2]
+        self.useful_slots += useful
+        return logits
+
+    def mean_seconds(self, b: int, t: int) -> float:
+        """Typical time of a [b, t] decode forward over all cache buckets seen so far."""
+        keys = [key for key in self.shapes if key[:3] == ("decode", b, t)]
+        steady_calls = sum(self.shapes[key] - 1 for key in keys)
+        if steady_calls:
+            return sum(self.steady_seconds[key] for key in keys) / steady_calls
+        if keys:
+            return sum(self.first_seconds[key] for key in keys) / len(keys)
+        if t > 1:  # unmeasured: assume cost grows linearly with tokens (pessimistic)
+            return t * self.mean_seconds(b, 1)
+        return 1.0
+
+    def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
+        """Forward whole prompts into cache `rows` from position 0; logits of each last token.
+
+        Only this forward's keys are attended, so no cache is read and any rows may be filled.
+        """
+        b = bucket(self.grid.batch_sizes, len(prompts))
+        t = bucket(self.grid.prompt_lengths, max(len(p) for p in prompts))
+        tokens = torch.zeros(b, t, dtype=torch.long)
+        last = torch.zeros(b, 1, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            tokens[i, : len(prompt)] = torch.tensor(prompt)
+            last[i, 0] = len(prompt) - 1
+        slots = torch.full((b,), self.cache.scratch_row, dtype=torch.long)
+        slots[: len(rows)] = torch.tensor(rows)
+        positions = torch.arange(t).expand(b, t)
+        mask = self._mask(positions, t)
+        logits = self._run(
+            ("prefill", b, t, 0),
+            sum(len(p) for p in prompts),
+            tokens=tokens.to(self.device),
+            positions=positions.to(self.device),
+            rows=slots.to(self.device),
+            mask=mask.to(self.device),
+            logit_index=last.to(self.device),
+            attend_len=0,
+        )
+        return logits[: len(prompts), 0]
+
+    def decode(self, tokens: torch.Tensor, starts: torch.Tensor, live: int, last_only=False):
+        """Forward `tokens` [b, t] for cache rows 0..b-1, row i's first token at `starts[i]`.
+
+        Rows past `live` are idle padding (start 0, in their own free rows). Returns logits for
+        every position [b, t, vocab], or only the last [b, 1, vocab].
+        """
+        b, t = tokens.shape
+        positions = starts[:, None] + torch.arange(t)
+        attend = bucket(self.grid.cache_lengths, int(positions.max()) + 1)
+        logit_index = torch.full((b, 1), t - 1) if last_only else torch.arange(t).expand(b, t)
+        return self._run(
+            ("decode", b, t, attend),
+            live * t,
+            tokens=tokens.to(self.device),
+            positions=positions.to(self.device),
+            rows=torch.arange(b).to(self.device),
+            mask=self._mask(positions, attend).to(self.device),
+            logit_index=logit_index.contiguous().to(self.device),
+            attend_len=attend,
+        )
+
+    def _mask(self, positions: torch.Tensor, keys: int) -> torch.Tensor:
+        """[b, 1, t, keys]: a query sees keys at positions <= its own (and inside the window)."""
+        key_pos = torch.arange(keys)[None, None, :]
+        query_pos = positions[:, :, None]
+        visible = key_pos <= query_pos
+        window = self.model.config.sliding_window
+        if window is not None and window < self.grid.max_cache:
+            visible &= key_pos > query_pos - window
+        return visible[:, None]
