@@ -23,6 +23,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup lint
+	bash tests/ensure_chromium.sh
 	$(PY) -m pytest -q -rs
 
 bench: setup

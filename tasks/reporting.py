@@ -172,7 +172,13 @@ _GROUP_COLUMNS = {"level", "run_id", "target_model", "draft_model", "draft_kind"
 
 def report_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     """The flat run / model-pair / total rollup (what `--format csv` prints)."""
-    return _records(con, "SELECT * FROM cost_rollup ORDER BY level DESC, started_at, run_id")
+    return _records(
+        con,
+        (
+            "SELECT * FROM cost_rollup ORDER BY "
+            "list_position(['run', 'model_pair', 'total'], level), started_at, cost_per_1m_tokens"
+        ),
+    )
 
 
 def summarize_metrics(

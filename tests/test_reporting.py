@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
+import io
+import json
 
 import duckdb
 import pyarrow as pa
 import pytest
 from reporting_fixtures import metrics_row, three_runs, write_shard
+from typer.testing import CliRunner
 
+from flows.cli import app
 from schemas.arrow import METRICS_SCHEMA
 from schemas.pricing import (
     DEFAULT_PRICES_PATH,
@@ -198,3 +203,88 @@ def test_views_sql_is_usable_as_is_by_a_bi_tool(local_runs):
     ).fetchone()
     assert tokens == 8900
     assert cost == pytest.approx(build_report(open_committed_metrics(local_runs))["total"]["cost"])
+
+
+def test_report_over_moto_s3_matches_hand_computation(s3_bucket):
+    root = "s3://corpus-test/out"
+    for row in three_runs():
+        write_shard(root, row, s3_bucket)
+    write_shard(root, metrics_row("run-b", "run-b-s9", generated_tokens=10**9), s3_bucket, False)
+    assert_hand_computed_figures(build_report(open_committed_metrics(root, s3_bucket)))
+
+
+# --- the `corpusgen report` command ---------------------------------------------------------------
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, ["report", *args], catch_exceptions=False)
+
+
+def test_cli_json_with_price_override_and_html(local_runs, tmp_path):
+    html = tmp_path / "dash.html"
+    result = invoke(local_runs, "--format", "json", "--price", "gaudi2=2.0", "--html", str(html))
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    runs = _by(report["runs"], "run_id")
+    assert runs["run-b"]["cost"] == pytest.approx(28 / 3600 * 2.0)
+    assert runs["run-b"]["run_date"] == "2026-12-01"
+    assert _by(report["prices"], "device_type")["gaudi2"]["source"] == "report override (--price)"
+    assert "report override (--price)" in html.read_text()
+
+
+def test_cli_csv_is_the_flat_rollup(local_runs):
+    result = invoke(local_runs, "--format", "csv", "--since", "2026-12-01")
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(io.StringIO(result.stdout)))
+    assert [(r["level"], r["run_id"]) for r in rows if r["level"] == "run"] == [
+        ("run", "run-b"),
+        ("run", "run-c"),
+    ]
+    total = next(r for r in rows if r["level"] == "total")
+    assert float(total["cost"]) == pytest.approx(28 / 3600 * 1.30 + 4 / 3600 * 2.99)
+    assert int(total["error_rows"]) == 3
+
+
+def test_cli_table_names_runs_prices_and_errors(local_runs):
+    result = invoke(local_runs, "--run", "run-b")
+    assert result.exit_code == 0, result.output
+    for expected in (
+        "Runs",
+        "run-b",
+        "$5.32",
+        "recorded in the metrics at run time",
+        "3 error rows",
+    ):
+        assert expected in result.stdout
+    assert "run-a" not in result.stdout
+
+
+def test_cli_reports_over_s3_with_endpoint_flag(s3_bucket):
+    root = "s3://corpus-test/out"
+    for row in three_runs():
+        write_shard(root, row, s3_bucket)
+    result = invoke(root, "--endpoint-url", s3_bucket["endpoint_url"], "--format", "json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["total"]["generated_tokens"] == 8900
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--price", "tpu=3"], "known device types: cpu"),
+        (["--price", "gaudi2"], "DEVICE=USD_PER_HOUR"),
+        (["--run", "nope"], "runs available: run-a, run-b, run-c"),
+        (["--storage-option", "novalue"], "KEY=VALUE"),
+    ],
+)
+def test_cli_bad_input_is_a_clear_error(local_runs, args, message):
+    result = invoke(local_runs, *args)
+    assert result.exit_code == 2
+    assert message in result.stderr
+
+
+def test_cli_views_prints_sql_for_this_output(local_runs):
+    result = invoke(local_runs, "--views")
+    assert result.exit_code == 0
+    assert f"read_json('{local_runs}/manifests/*.json'" in result.stdout
+    assert "CREATE OR REPLACE VIEW cost_rollup" in result.stdout
