@@ -6,6 +6,8 @@ import csv
 import datetime as dt
 import io
 import json
+import re
+from pathlib import Path
 
 import duckdb
 import pyarrow as pa
@@ -288,3 +290,13 @@ def test_cli_views_prints_sql_for_this_output(local_runs):
     assert result.exit_code == 0
     assert f"read_json('{local_runs}/manifests/*.json'" in result.stdout
     assert "CREATE OR REPLACE VIEW cost_rollup" in result.stdout
+
+
+def test_readme_documents_every_metrics_column_with_its_type_and_doc():
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    for field in METRICS_SCHEMA:
+        row = re.search(rf"^\| `{field.name}` \| `([^`]+)` \| (.+) \|$", readme, re.M)
+        assert row is not None, f"README lacks metrics column {field.name}"
+        assert row.group(1) == str(field.type), field.name
+        doc = (field.metadata or {}).get(b"doc", b"").decode().replace("|", "\\|")
+        assert doc in row.group(2), field.name
