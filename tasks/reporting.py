@@ -16,10 +16,11 @@ import duckdb
 import fsspec
 import pyarrow as pa
 
+import schemas
 from schemas.arrow import METRICS_SCHEMA
 from schemas.pricing import load_prices
 
-VIEWS_PATH = Path(__file__).resolve().parent.parent / "schemas" / "metrics_views.sql"
+VIEWS_PATH = Path(schemas.__file__).with_name("metrics_views.sql")
 COSTLIEST_SHARDS = 10
 OVERRIDE_SOURCE = "report override (--price)"
 RECORDED_SOURCE = "recorded in the metrics at run time"
