@@ -2,14 +2,147 @@
 
 from __future__ import annotations
 
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
 import typer
+import yaml
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from schemas.run import ConfigError, RunConfig, parse_run_config
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+console = Console()
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+
+ConfigArg = Annotated[Path, typer.Argument(help="run config, YAML or JSON")]
+SetOption = Annotated[
+    list[str], typer.Option("--set", help="override a field: a.b=value (repeatable)")
+]
 
 
 @app.callback()
 def _commands() -> None:
     """Keeps `corpusgen <command>` a command group even while only one command is registered."""
+
+
+def _load(source: Path | dict[str, Any], overrides: list[str]) -> RunConfig:
+    try:
+        return parse_run_config(source, overrides)
+    except ConfigError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _watch_progress(config: RunConfig, stop: threading.Event) -> None:
+    """Count committed manifests (works whatever process commits them) into a progress bar."""
+    from tasks.commit import committed_shard_ids
+    from tasks.planning import Plan
+    from tasks.shard import run_layout
+
+    columns = (TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    with Progress(*columns, console=console, transient=False) as bar:
+        task = bar.add_task("shards", total=None)
+        while not stop.wait(0.5):
+            layout = run_layout(config)
+            if layout.fs.exists(layout.plan_path):
+                total = len(Plan.from_json(layout.fs.cat_file(layout.plan_path).decode()).shards)
+                bar.update(task, total=total, completed=len(committed_shard_ids(layout)))
+        layout = run_layout(config)
+        bar.update(task, completed=len(committed_shard_ids(layout)))
+
+
+def _run_with_progress(config: RunConfig, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    stop = threading.Event()
+    watcher = threading.Thread(target=_watch_progress, args=(config, stop), daemon=True)
+    watcher.start()
+    try:
+        return run()
+    finally:
+        stop.set()
+        watcher.join()
+
+
+def _print_summary(summary: dict[str, Any]) -> None:
+    table = Table(title=f"run {summary['run_id']}", show_header=False)
+    for key in ("shards_planned", "shards_committed", "ok_rows", "error_rows",
+                "generated_tokens", "tokens_per_second", "acceptance_rate",
+                "mean_accepted_length", "cost", "cost_per_1m_tokens"):
+        value = summary[key]
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+    if summary["stopped_on_budget"]:
+        console.print(f"[yellow]Stopped on budget: {summary['shards_not_scheduled']} shard(s) "
+                      "not scheduled; committed shards are kept.[/yellow]")
+    console.print(f"Generated records: {summary['data']}\nError rows:        {summary['errors']}\n"
+                  f"Metrics:           {summary['metrics']}")
+
+
+def _generate(config: RunConfig) -> None:
+    from flows.generate import generate_corpus
+    from tasks.planning import InputError
+
+    try:
+        summary = _run_with_progress(
+            config, lambda: generate_corpus(config.model_dump(mode="json"))
+        )
+    except InputError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
+    _print_summary(summary)
+
+
+@app.command()
+def run(config: ConfigArg, set_: SetOption = None) -> None:
+    """Generate a corpus: plan, run every shard once, summarise."""
+    _generate(_load(config, set_ or []))
+
+
+@app.command()
+def plan(config: ConfigArg, set_: SetOption = None) -> None:
+    """Print the shard plan (shards, estimated rows, buckets) without generating or writing."""
+    from tasks.planning import InputError, plan_shards
+    from tasks.storage import filesystem
+
+    run_config = _load(config, set_ or [])
+    input_fs, input_path = filesystem(run_config.input.uri, run_config.storage)
+    try:
+        shards = plan_shards(input_fs, run_config, input_path)
+    except InputError as error:
+        console.print(f"[red]{error}[/red]")
+        raise typer.Exit(2) from None
+    grid = run_config.generation.engine.bucket_grid
+    table = Table(title=f"run {run_config.resolved_run_id()}: {len(shards)} shards")
+    for column in ("shard_id", "source", "format", "range", "est. rows", "batches"):
+        table.add_column(column)
+    for shard in shards:
+        batches = -(-shard.estimated_rows // grid.max_batch)
+        table.add_row(shard.shard_id, shard.source, shard.format, f"{shard.start}-{shard.end}",
+                      str(shard.estimated_rows), str(batches))
+    console.print(table)
+    console.print(
+        f"estimated rows: {sum(s.estimated_rows for s in shards)}; buckets: batch "
+        f"{grid.batch_sizes}, prompt {grid.prompt_lengths}, cache {grid.cache_lengths}, "
+        f"draft K {grid.draft_lengths}; output: {run_config.output}"
+    )
+
+
+@app.command()
+def demo(
+    output: Annotated[Path, typer.Option(help="where outputs go")] = Path("out/demo"),
+    set_: SetOption = None,
+) -> None:
+    """Generate from the shipped demo prompts with the packaged SmolLM2 on this machine."""
+    raw = yaml.safe_load((DEMO_DIR / "config.yaml").read_text())
+    raw["input"]["uri"] = str(DEMO_DIR / raw["input"]["uri"])
+    raw["output"] = str(output.resolve())
+    os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    _generate(_load(raw, set_ or []))
 
 from flows.report import report  # noqa: E402
 

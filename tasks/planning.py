@@ -123,7 +123,8 @@ def _bytes_per_row(sample: bytes) -> float:
 def _plan_jsonl(fs, path, source, size, fingerprint, rows_per_shard) -> list[Shard]:
     with fs.open(path, "rb") as file:
         bytes_per_row = _bytes_per_row(file.read(SAMPLE_BYTES))
-    step = max(int(bytes_per_row * rows_per_shard), 1)
+    count = max(round(size / (bytes_per_row * rows_per_shard)), 1)
+    step = -(-size // count)  # even ranges, no sliver at the end
     shards = []
     for start in range(0, size, step):
         end = min(start + step, size)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 TOPICS = ["rivers", "bread", "comets", "chess", "glaciers", "violins", "bees", "lighthouses"]
 
@@ -47,3 +48,41 @@ def write_jsonl(path: Path, rows: list[dict], bad_every: int = 0) -> list[str]:
 def write_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
+
+
+LONG_PROMPT_ROW = {"id": "too-long", "prompt": "word " * 300}
+
+
+@pytest.fixture(scope="session")
+def prefect_server():
+    """One Prefect test server per test module session; yields its API URL for subprocesses."""
+    from prefect.settings import PREFECT_API_URL
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield PREFECT_API_URL.value()
+
+
+def tiny_engine(model_dir) -> dict:
+    return {
+        "target": {"path": str(model_dir)},
+        "device": "cpu",
+        "bucket_grid": {
+            "batch_sizes": [1, 2, 4],
+            "prompt_lengths": [32, 64],
+            "cache_lengths": [96],
+            "draft_lengths": [2],
+        },
+    }
+
+
+def run_config(input_uri: str, output: str, engine: dict, **overrides) -> dict:
+    config = {
+        "input": {"uri": input_uri, "prompt_field": "prompt", "id_field": "id"},
+        "generation": {"engine": engine, "sampling": {"max_new_tokens": 8}},
+        "output": output,
+        "sharding": {"rows_per_shard": 8},
+    }
+    for key, value in overrides.items():
+        config[key] = value
+    return config

@@ -49,6 +49,7 @@ def test_every_bad_field_is_listed_in_one_error():
         "accelerator_slots": 0,
         "cost_cap_usd": -1,
         "storage": {"secret": "hunter2"},
+        "pricing": {"device_type": "tpu-v9"},
     }
     with pytest.raises(ConfigError) as error:
         parse_run_config(bad)
@@ -60,10 +61,19 @@ def test_every_bad_field_is_listed_in_one_error():
         "accelerator_slots",
         "cost_cap_usd",
         "storage.secret: unknown field",
+        "pricing: no price for device type 'tpu-v9'; known device types: cpu",
     ):
         assert where in message, f"{where!r} missing from:\n{message}"
     assert "hunter2" not in message
-    assert message.startswith("invalid run config (6 problem(s))")
+    assert message.startswith("invalid run config (7 problem(s))")
+
+
+def test_price_comes_from_the_table_unless_overridden():
+    from schemas.pricing import load_prices
+
+    assert parse_run_config(VALID).pricing.usd_per_hour() == load_prices()["cpu"].usd_per_hour
+    overridden = parse_run_config(VALID, ["pricing.usd_per_device_hour=2.5"])
+    assert overridden.pricing.usd_per_hour() == 2.5
 
 
 def test_missing_required_sections_are_named():

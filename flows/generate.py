@@ -1,0 +1,190 @@
+"""Prefect flows: `generate_corpus` plans a run and gets every shard committed once;
+`generate_shards` is what a worker (or pod) runs for a batch of planned shards.
+
+Both take the config as a dict or a path to a YAML/JSON file (deployment parameters are JSON).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+from uuid import UUID
+
+from prefect import flow, get_client, task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.cache_policies import NO_CACHE
+from prefect.deployments import run_deployment
+from prefect.futures import PrefectFuture, as_completed
+from prefect.logging import get_run_logger
+
+from schemas.run import RunConfig, parse_run_config
+from tasks.commit import committed_shard_ids, read_manifest, sweep_losing_attempts
+from tasks.layout import RunLayout
+from tasks.planning import Plan, Shard, new_plan, plan_shards, write_plan
+from tasks.run_summary import publish_summary_artifacts, summarize_run
+from tasks.scheduling import CostBudget, run_bounded
+from tasks.shard import generate_shard, run_layout
+from tasks.storage import filesystem
+
+ConfigSource = dict[str, Any] | str
+
+
+@task(name="plan-run", cache_policy=NO_CACHE)
+def plan_run(config: RunConfig) -> Plan:
+    """Plan the shards and record the plan in the output before any generation."""
+    layout = run_layout(config)
+    input_fs, input_path = filesystem(config.input.uri, config.storage)
+    shards = plan_shards(input_fs, config, input_path)
+    return write_plan(layout, new_plan(layout, config, shards))
+
+
+def ensure_accelerator_limit(config: RunConfig) -> None:
+    """Create (or resize) the global concurrency limit that caps shards on accelerators."""
+    with get_client(sync_client=True) as client:
+        client.upsert_global_concurrency_limit_by_name(
+            config.concurrency_limit, config.accelerator_slots
+        )
+
+
+def shard_task(config: RunConfig):
+    return generate_shard.with_options(
+        retries=config.shard_retries, timeout_seconds=config.shard_timeout_seconds
+    )
+
+
+class _Progress:
+    """A Prefect progress artifact plus the budget, updated as shards finish."""
+
+    def __init__(self, layout: RunLayout, plan: Plan, budget: CostBudget):
+        self.layout, self.total, self.budget, self.failed = layout, len(plan.shards), budget, []
+        self.done = len(committed_shard_ids(layout))
+        self.artifact = create_progress_artifact(
+            self._percent(), key=f"corpusgen-progress-{layout.run_id.lower().replace('_', '-')}",
+            description=f"shards committed in run {layout.run_id}",
+        )
+
+    def _percent(self) -> float:
+        return 100.0 * self.done / self.total if self.total else 100.0
+
+    def shards_finished(self, shards: list[Shard]) -> None:
+        for shard in shards:
+            manifest = read_manifest(self.layout, shard.shard_id)
+            if manifest is None:
+                self.failed.append(shard.shard_id)
+            else:
+                self.budget.record(manifest["cost"])
+                self.done += 1
+        update_progress_artifact(self.artifact, self._percent())
+
+
+def _dispatch_local(config: RunConfig, pending: list[Shard], progress: _Progress) -> list[Shard]:
+    task_with_options, run_date = shard_task(config), progress.layout.run_date
+
+    def wait_first(futures: list[PrefectFuture]) -> PrefectFuture:
+        return next(as_completed(futures))
+
+    def on_done(future: PrefectFuture, shard: Shard) -> None:
+        future.wait()
+        progress.shards_finished([shard])
+
+    return run_bounded(
+        pending,
+        submit=lambda shard: task_with_options.submit(config, run_date, shard),
+        wait_first=wait_first,
+        on_done=on_done,
+        slots=config.accelerator_slots,
+        budget=progress.budget,
+    )
+
+
+def _dispatch_deployments(
+    config: RunConfig, pending: list[Shard], progress: _Progress
+) -> list[Shard]:
+    """One `generate_shards` flow run per batch; the parent waits for all of them."""
+    size = config.dispatch.shards_per_run
+    batches = [pending[i : i + size] for i in range(0, len(pending), size)]
+    parameters = config.model_dump(mode="json")
+
+    def submit(batch: list[Shard]) -> UUID:
+        flow_run = run_deployment(
+            config.dispatch.deployment,
+            parameters={"config": parameters, "shard_ids": [s.shard_id for s in batch]},
+            timeout=0,
+        )
+        return flow_run.id
+
+    def wait_first(flow_run_ids: list[UUID]) -> UUID:
+        with get_client(sync_client=True) as client:
+            while True:
+                for flow_run_id in flow_run_ids:
+                    if client.read_flow_run(flow_run_id).state.is_final():
+                        return flow_run_id
+                time.sleep(2)
+
+    left = run_bounded(
+        batches, submit, wait_first,
+        on_done=lambda _, batch: progress.shards_finished(batch),
+        slots=config.accelerator_slots, budget=progress.budget, size=len,
+    )
+    return [shard for batch in left for shard in batch]
+
+
+@flow(name="generate-corpus")
+def generate_corpus(config: ConfigSource) -> dict[str, Any]:
+    """Plan -> one task per shard (bounded by accelerator slots and the cost cap) -> summary."""
+    run = load_config(config)
+    logger = get_run_logger()
+    plan = plan_run(run)
+    layout = run_layout(run)
+    ensure_accelerator_limit(run)
+    committed = committed_shard_ids(layout)
+    pending = [shard for shard in plan.shards if shard.shard_id not in committed]
+    logger.info(
+        "run %s: %d shards planned, %d already committed", layout.run_id, len(plan.shards),
+        len(plan.shards) - len(pending),
+    )
+    progress = _Progress(layout, plan, CostBudget(run.cost_cap_usd))
+    for shard_id in sorted(committed):
+        progress.budget.record(read_manifest(layout, shard_id)["cost"])
+    dispatch = _dispatch_local if run.dispatch.mode == "local" else _dispatch_deployments
+    unscheduled = dispatch(run, pending, progress)
+    sweep_losing_attempts(layout)
+    summary = summarize_run(layout, run.output, plan, len(unscheduled), progress.failed)
+    publish_summary_artifacts(summary, run.pricing.usd_per_hour(), run.pricing.device_type)
+    if unscheduled:
+        logger.warning("stopped on budget: %d shards not scheduled", len(unscheduled))
+    if progress.failed:
+        raise RuntimeError(
+            f"{len(progress.failed)} shard(s) failed after retries: {progress.failed[:10]}; "
+            "committed shards are kept, rerun the same config to finish the run"
+        )
+    return summary
+
+
+@flow(name="generate-shards")
+def generate_shards(config: ConfigSource, shard_ids: list[str]) -> list[dict[str, Any]]:
+    """Generate a batch of shards that `generate_corpus` planned (one worker process/pod)."""
+    run = load_config(config)
+    layout = run_layout(run)
+    try:
+        plan = Plan.from_json(layout.fs.cat_file(layout.plan_path).decode())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"no plan for run {layout.run_id} under {run.output}; start the run with "
+            "generate_corpus (it plans before dispatching shards)"
+        ) from None
+    task_with_options = shard_task(run)
+    states = [
+        task_with_options(run, layout.run_date, shard, return_state=True)
+        for shard in plan.select(shard_ids)
+    ]
+    failed = [shard_id for shard_id, state in zip(shard_ids, states, strict=True)
+              if not state.is_completed()]
+    if failed:
+        raise RuntimeError(f"shards failed after retries: {failed}")
+    return [state.result().__dict__ for state in states]
+
+
+def load_config(config: ConfigSource | RunConfig) -> RunConfig:
+    return parse_run_config(Path(config) if isinstance(config, str) else config)

@@ -1,0 +1,194 @@
+"""The shard task: read a shard's range, generate, commit records + errors + metrics once.
+
+A shard whose manifest exists is skipped (its publish is finished if a crash cut it short), so
+reruns and retried tasks never regenerate or duplicate committed work.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import socket
+import time
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+from prefect.tasks import exponential_backoff
+
+from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
+from schemas.run import RunConfig
+from tasks.commit import commit_shard, new_attempt_id, publish, read_manifest
+from tasks.engine_cache import leased_engine
+from tasks.layout import RunLayout
+from tasks.planning import Shard
+from tasks.records import BadRecord, Record, read_shard, truncate
+from tasks.storage import filesystem
+
+SUMMARY_FIELDS = ("input_rows", "ok_rows", "error_rows", "generated_tokens", "cost",
+                  "wall_seconds")
+
+
+def worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(frozen=True)
+class ShardOutcome:
+    shard_id: str
+    status: str  # "committed" | "skipped" (already committed) | "lost" (another attempt won)
+    summary: dict[str, Any]  # SUMMARY_FIELDS of the committed attempt
+    generate_seconds: float = 0.0  # time inside Engine.generate (for the overhead bench)
+
+
+def run_layout(config: RunConfig) -> RunLayout:
+    fs, root = filesystem(config.output, config.storage)
+    return RunLayout.locate(fs, root, config.resolved_run_id())
+
+
+def _drop_too_long(engine, records: list[Record]) -> tuple[list[Record], list[BadRecord]]:
+    keep, bad = [], []
+    for record in records:
+        tokens = engine.count_prompt_tokens(record.prompt)
+        if tokens > engine.max_prompt_tokens:
+            reason = (
+                f"prompt_too_long: {tokens} tokens > largest prompt bucket "
+                f"{engine.max_prompt_tokens}; shorten it or raise bucket_grid.prompt_lengths"
+            )
+            raw = truncate(record.prompt_text)
+            bad.append(BadRecord(record.row, record.record_id, reason, raw))
+        else:
+            keep.append(record)
+    return keep, bad
+
+
+def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
+    data = [
+        {
+            "id": record.record_id,
+            "shard_id": shard.shard_id,
+            "prompt": record.prompt_text,
+            "completion": completion.text,
+            "finish_reason": completion.finish_reason,
+            "prompt_tokens": completion.prompt_tokens,
+            "completion_tokens": len(completion.token_ids),
+            "proposed": completion.proposed,
+            "accepted": completion.accepted,
+            "seed": record.seed,
+        }
+        for record, completion in zip(records, completions, strict=True)
+    ]
+    errors = [
+        {"shard_id": shard.shard_id, "row": b.row, "id": b.record_id, "reason": b.reason,
+         "raw": b.raw}
+        for b in sorted(bad, key=lambda b: b.row)
+    ]
+    return pa.Table.from_pylist(data, DATA_SCHEMA), pa.Table.from_pylist(errors, ERRORS_SCHEMA)
+
+
+def process_shard(
+    config: RunConfig,
+    layout: RunLayout,
+    shard: Shard,
+    slot: AbstractContextManager | None = None,
+) -> ShardOutcome:
+    """Generate and commit one shard; `slot` holds an accelerator slot around engine use."""
+    manifest = read_manifest(layout, shard.shard_id)
+    if manifest is not None:
+        publish(layout, manifest)
+        return ShardOutcome(shard.shard_id, "skipped", {k: manifest[k] for k in SUMMARY_FIELDS})
+    started_at, started = dt.datetime.now(dt.UTC), time.perf_counter()
+    input_fs, _ = filesystem(config.input.uri, config.storage)
+    records, bad = read_shard(input_fs, shard, config.input, config.seed)
+    input_rows = len(records) + len(bad)
+    generation = config.generation
+    with slot or nullcontext(), leased_engine(generation.engine, generation.warmup) as engine:
+        records, too_long = _drop_too_long(engine, records)
+        engine.reset_stats()
+        generate_started = time.perf_counter()
+        completions = (
+            engine.generate([r.prompt for r in records], generation.sampling,
+                            [r.seed for r in records])
+            if records else []
+        )
+        generate_seconds = time.perf_counter() - generate_started
+        stats, model_info, draft_kind = engine.stats.as_dict(), engine.model_info, engine.draft_kind
+    from generation import ENGINE_VERSION
+
+    ok = [(r, c) for r, c in zip(records, completions, strict=True) if c.finish_reason != "error"]
+    bad += too_long + [
+        BadRecord(r.row, r.record_id, f"engine_error: {c.error}", truncate(r.prompt_text))
+        for r, c in zip(records, completions, strict=True) if c.finish_reason == "error"
+    ]
+    data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad)
+    wall = time.perf_counter() - started
+    generated = sum(len(c.token_ids) for _, c in ok)
+    price = config.pricing.usd_per_hour()
+    device_seconds = wall * config.devices_per_slot
+    cost = device_seconds / 3600 * price
+    metrics = {
+        **{k: stats[k] for k in (
+            "prompt_tokens", "padding_waste", "rounds", "proposed", "accepted", "acceptance_rate",
+            "mean_accepted_length", "accepted_per_position", "proposed_per_position",
+            "target_forwards", "draft_forwards", "distinct_shapes", "prefill_seconds",
+            "decode_seconds", "draft_seconds", "verify_seconds")},
+        **model_info,
+        "run_id": layout.run_id,
+        "shard_id": shard.shard_id,
+        "worker_id": worker_id(),
+        "input_rows": input_rows,
+        "ok_rows": data.num_rows,
+        "error_rows": errors.num_rows,
+        "generated_tokens": generated,
+        "batch_bucket": stats["batch_bucket_max"],
+        "draft_kind": draft_kind,
+        "wall_seconds": wall,
+        "tokens_per_second": generated / wall if wall else 0.0,
+        "device_type": config.pricing.device_type,
+        "device_count": config.devices_per_slot,
+        "device_seconds": device_seconds,
+        "price_per_device_hour": price,
+        "cost": cost,
+        "cost_per_1m_tokens": cost / generated * 1e6 if generated else None,
+        "engine_version": ENGINE_VERSION,
+        "config_hash": config.config_hash(),
+        "started_at": started_at,
+        "finished_at": dt.datetime.now(dt.UTC),
+    }
+    tables = {"data": data, "errors": errors,
+              "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
+    summary = {k: metrics[k] for k in SUMMARY_FIELDS}
+    if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
+        return ShardOutcome(shard.shard_id, "committed", summary, generate_seconds)
+    winner = read_manifest(layout, shard.shard_id)
+    return ShardOutcome(shard.shard_id, "lost", {k: winner[k] for k in SUMMARY_FIELDS})
+
+
+def _is_io_error(task, task_run, state) -> bool:
+    """Retry storage hiccups, not bad data or engine bugs."""
+    try:
+        state.result()
+    except (OSError, TimeoutError):
+        return True
+    except Exception:
+        return False
+    return False
+
+
+@task(
+    name="generate-shard",
+    cache_policy=NO_CACHE,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_condition_fn=_is_io_error,
+)
+def generate_shard(config: RunConfig, run_date: str, shard: Shard) -> ShardOutcome:
+    """One Prefect task per shard, holding one slot of the global accelerator limit."""
+    from prefect.concurrency.sync import concurrency
+
+    fs, root = filesystem(config.output, config.storage)
+    layout = RunLayout(fs, root, config.resolved_run_id(), run_date)
+    slot = concurrency(config.concurrency_limit, occupy=1, strict=True)
+    return process_shard(config, layout, shard, slot)
