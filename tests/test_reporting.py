@@ -11,11 +11,20 @@ from pathlib import Path
 
 import duckdb
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pytest
+from pipeline_fixtures import (
+    good_rows,
+    prefect_server,  # noqa: F401  (session fixture)
+    run_config,
+    tiny_engine,
+    write_jsonl,
+)
 from reporting_fixtures import metrics_row, three_runs, write_shard
 from typer.testing import CliRunner
 
 from flows.cli import app
+from flows.generate import generate_corpus
 from schemas.arrow import METRICS_SCHEMA
 from schemas.pricing import (
     DEFAULT_PRICES_PATH,
@@ -24,6 +33,7 @@ from schemas.pricing import (
     parse_price_overrides,
     price_for,
 )
+from tasks.dashboard import render_dashboard
 from tasks.reporting import (
     NoMetricsError,
     build_report,
@@ -300,3 +310,49 @@ def test_readme_documents_every_metrics_column_with_its_type_and_doc():
         assert row.group(1) == str(field.type), field.name
         doc = (field.metadata or {}).get(b"doc", b"").decode().replace("|", "\\|")
         assert doc in row.group(2), field.name
+
+
+# --- over the real pipeline's outputs ------------------------------------------------------------
+
+
+@pytest.mark.usefixtures("prefect_server")
+def test_report_over_two_real_pipeline_runs(tmp_path, tiny_llama_dir):
+    write_jsonl(tmp_path / "in" / "plain.jsonl", good_rows(10))
+    write_jsonl(tmp_path / "in" / "bad.jsonl", good_rows(10, start=100), bad_every=3)
+    out = str(tmp_path / "out")
+    engine = tiny_engine(tiny_llama_dir)
+    plain = generate_corpus(run_config(str(tmp_path / "in" / "plain.jsonl"), out, engine,
+                                       run_id="plain"))  # fmt: skip
+    drafted = generate_corpus(run_config(
+        str(tmp_path / "in" / "bad.jsonl"), out,
+        {**engine, "draft": {"kind": "prompt_lookup"}, "num_draft_tokens": 2},
+        run_id="drafted", pricing={"device_type": "cpu", "usd_per_device_hour": 3.6},
+    ))  # fmt: skip
+
+    report = build_report(open_committed_metrics(out))
+    runs = {run["run_id"]: run for run in report["runs"]}
+    assert set(runs) == {"plain", "drafted"}
+    metrics = ds.dataset(f"{out}/metrics", partitioning="hive").to_table().to_pylist()
+    data = ds.dataset(f"{out}/data", partitioning="hive").to_table().to_pylist()
+    for run_id, summary in (("plain", plain), ("drafted", drafted)):
+        rows = [m for m in metrics if m["run_id"] == run_id]
+        run = runs[run_id]
+        assert (
+            run["generated_tokens"]
+            == summary["generated_tokens"]
+            == sum(d["completion_tokens"] for d in data if d["run_id"] == run_id)
+        )
+        assert run["cost"] == pytest.approx(sum(m["cost"] for m in rows))
+        assert run["cost"] == pytest.approx(summary["cost"])
+        assert run["error_rows"] == summary["error_rows"]
+    assert runs["drafted"]["error_rows"] == 3 and runs["plain"]["error_rows"] == 0
+    drafted_rows = [m for m in metrics if m["run_id"] == "drafted"]
+    assert runs["drafted"]["acceptance_rate"] == pytest.approx(
+        sum(m["accepted"] for m in drafted_rows) / sum(m["proposed"] for m in drafted_rows)
+    )
+    assert runs["drafted"]["cost"] == pytest.approx(
+        sum(m["device_seconds"] for m in drafted_rows) / 3600 * 3.6
+    )
+    positions = [p for p in report["position_acceptance"] if p["run_id"] == "drafted"]
+    assert [p["position"] for p in positions] == [0, 1]
+    assert "<svg" in render_dashboard(report, out)
