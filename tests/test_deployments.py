@@ -1,0 +1,282 @@
+"""Deployments end to end with real components: a `prefect server` (SQLite, loopback, free port),
+the pools and limit from deployments/setup-pools.sh, `prefect deploy` from deployments/prefect.yaml,
+a control worker plus two card workers from deployments/start-workers.sh, then
+`prefect deployment run 'generate-corpus/ci' --watch` reading from and writing to a moto S3
+server with the real engine on a tiny model. Every process started here is stopped at the end."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import psutil
+import pyarrow.dataset as ds
+import pytest
+import s3fs
+import yaml
+from conftest import free_port
+from pipeline_fixtures import good_rows, run_config, tiny_engine, write_jsonl
+from prefect.client.orchestration import SyncPrefectClient
+from prefect.client.schemas.filters import (
+    DeploymentFilter,
+    DeploymentFilterName,
+    FlowRunFilter,
+    FlowRunFilterId,
+)
+
+from schemas import parse_run_config
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
+CARD_WORKERS = 2
+# Distinctive credentials the workers get from their environment; moto accepts any.
+ACCESS_KEY, SECRET_KEY = "AKIDDEPLOYE2E", "deploy-e2e-secret-never-written"
+
+
+@dataclass
+class PrefectStack:
+    """A Prefect server and workers in their own process groups, with one log file each."""
+
+    api_url: str
+    env: dict[str, str]
+    logs: Path
+    processes: dict[str, subprocess.Popen] = field(default_factory=dict)
+
+    def start(self, name: str, *command: str) -> subprocess.Popen:
+        log = (self.logs / f"{name}.log").open("w")
+        process = subprocess.Popen(
+            command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        self.processes[name] = process
+        return process
+
+    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            args, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
+        )
+
+    def check(self, *args: str, timeout: float = 120) -> str:
+        result = self.cli(*args, timeout=timeout)
+        assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
+        return result.stdout
+
+    def log(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text()
+
+    def wait_healthy(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.processes["server"].poll() is None, self.log("server")
+            try:
+                if httpx.get(f"{self.api_url}/health", timeout=2).json() is True:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"prefect server not healthy after {timeout}s:\n{self.log('server')}")
+
+    def wait_for_log(self, name: str, pattern: str, count: int = 1, timeout: float = 90) -> None:
+        deadline = time.monotonic() + timeout
+        while len(re.findall(pattern, self.log(name))) < count:
+            assert time.monotonic() < deadline, f"{name}: no {pattern!r} x{count}\n{self.log(name)}"
+            assert self.processes[name].poll() is None, f"{name} exited:\n{self.log(name)}"
+            time.sleep(0.5)
+
+    def stop_all(self) -> list[int]:
+        """SIGTERM every process group (workers stop cleanly on it), SIGKILL what is left after
+        a grace period; returns the pids still alive afterwards (should be none)."""
+        family = []
+        for process in self.processes.values():
+            with contextlib.suppress(psutil.NoSuchProcess):
+                root = psutil.Process(process.pid)
+                family += [root, *root.children(recursive=True)]
+        for name in reversed(list(self.processes)):  # workers before the server
+            _signal_group(self.processes[name], signal.SIGTERM)
+        _, alive = psutil.wait_procs(family, timeout=30)
+        for process in self.processes.values():
+            _signal_group(process, signal.SIGKILL)
+        _, alive = psutil.wait_procs(alive, timeout=10)
+        return [p.pid for p in alive]
+
+
+def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, sig)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, s3_endpoint) -> Iterator[PrefectStack]:
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    api_url = f"http://127.0.0.1:{port}/api"
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_API_URL": api_url,
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+        "PREFECT_UI_ENABLED": "false",
+        # No cron runs during the test: the nightly deployment must not fire mid-test.
+        "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
+        "PREFECT_WORKER_QUERY_SECONDS": "1",
+        "PREFECT_WORKER_HEARTBEAT_SECONDS": "5",
+        "DO_NOT_TRACK": "1",
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+        "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+        "PWD": str(REPO),  # what the local pull step resolves `{{ $PWD }}` to at deploy time
+        "CORPUSGEN_GIT_REPOSITORY": str(REPO),
+        "CORPUSGEN_WORKER_PREFIX": "e2e",
+    }
+    stack = PrefectStack(api_url, env, tmp_path_factory.mktemp("prefect-logs"))
+    try:
+        stack.start("server", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
+                    str(port))
+        stack.wait_healthy()
+        stack.check(str(REPO / "deployments" / "setup-pools.sh"), str(CARD_WORKERS))
+        stack.check("prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
+                    str(PREFECT_YAML))
+        stack.start("control", "prefect", "worker", "start", "--pool", "corpusgen-control",
+                    "--name", "e2e-control")
+        stack.start("cards", str(REPO / "deployments" / "start-workers.sh"), str(CARD_WORKERS))
+        stack.wait_for_log("control", r"Worker '.*' started")
+        stack.wait_for_log("cards", r"Worker '.*' started", count=CARD_WORKERS)
+        yield stack
+    finally:
+        survivors = stack.stop_all()
+        assert not survivors, f"processes left running: {survivors}"
+        shutil.rmtree(home, ignore_errors=True)
+
+
+def client(stack: PrefectStack) -> SyncPrefectClient:
+    return SyncPrefectClient(api=stack.api_url)
+
+
+def deployment_run(stack: PrefectStack, config: dict) -> tuple[subprocess.CompletedProcess, str]:
+    """`prefect deployment run ... --watch` as a CI job runs it; returns (result, flow run id)."""
+    result = stack.cli(
+        "prefect", "deployment", "run", "generate-corpus/ci",
+        "--param", f"config={json.dumps(config)}", "--watch", "--watch-timeout", "240",
+        timeout=300,
+    )
+    match = re.search(r"UUID: ([0-9a-f-]{36})", result.stdout)
+    assert match, f"no flow run id in:\n{result.stdout}\n{result.stderr}"
+    return result, match.group(1)
+
+
+def flow_run_log_text(stack: PrefectStack, flow_run_id: str) -> str:
+    return stack.check("prefect", "flow-run", "logs", flow_run_id)
+
+
+def s3_config(s3_endpoint, tiny_llama_dir, input_uri: str, output: str) -> dict:
+    return run_config(
+        input_uri, output, tiny_engine(tiny_llama_dir),
+        storage={"endpoint_url": s3_endpoint["endpoint_url"]},
+        accelerator_slots=CARD_WORKERS,
+        dispatch={"mode": "deployment", "deployment": "generate-shards/default",
+                  "shards_per_run": 1},
+    )
+
+
+def test_deploy_creates_what_the_yaml_declares(stack: PrefectStack) -> None:
+    declared = yaml.safe_load(PREFECT_YAML.read_text())["deployments"]
+    with client(stack) as api:
+        deployments = {
+            f"{api.read_flow(d.flow_id).name}/{d.name}": d for d in api.read_deployments()
+        }
+        pools = {pool.name: pool for pool in api.read_work_pools()}
+        limit = api.read_global_concurrency_limit_by_name("corpusgen-accelerators")
+    assert {d["name"] for d in declared} == {name.split("/")[1] for name in deployments}
+    nightly, ci = deployments["generate-corpus/nightly"], deployments["generate-corpus/ci"]
+    assert [s.schedule.cron for s in nightly.schedules] == ["0 2 * * *"]
+    assert "git_clone" in json.dumps(nightly.pull_steps) and not ci.schedules
+    assert ci.pull_steps == [
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(REPO)}}
+    ]
+    assert deployments["generate-shards/default"].work_pool_name == "gaudi"
+    assert deployments["generate-shards/k8s"].job_variables["gaudi_cards"] == 1
+    assert pools["gaudi"].concurrency_limit == CARD_WORKERS and pools["gaudi-k8s"].type == (
+        "kubernetes"
+    )
+    assert "gaudi_cards" in pools["gaudi-k8s"].base_job_template["variables"]["properties"]
+    assert limit.limit == CARD_WORKERS
+
+
+def test_ci_run_spreads_shards_over_both_workers_exactly_once(
+    stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
+) -> None:
+    rows = good_rows(32)
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint["endpoint_url"], key=ACCESS_KEY,
+                           secret=SECRET_KEY)
+    fs.put(str(tmp_path / "in.jsonl"), "corpus-test/e2e/in.jsonl")
+    config = s3_config(s3_endpoint, tiny_llama_dir, "s3://corpus-test/e2e/in.jsonl",
+                       "s3://corpus-test/e2e/out")
+
+    result, flow_run_id = deployment_run(stack, config)
+    assert result.returncode == 0, (
+        f"{result.stdout}\n{result.stderr}\n{flow_run_log_text(stack, flow_run_id)}"
+    )
+
+    root = "corpus-test/e2e/out"
+    data = ds.dataset(f"{root}/data", filesystem=fs, partitioning="hive").to_table()
+    ids = data.column("id").to_pylist()
+    assert sorted(ids) == sorted(row["id"] for row in rows)  # complete, no duplicates
+    metrics = ds.dataset(f"{root}/metrics", filesystem=fs, partitioning="hive").to_table()
+    shard_ids = metrics.column("shard_id").to_pylist()
+    planned = len(rows) // config["sharding"]["rows_per_shard"]
+    assert len(shard_ids) == len(set(shard_ids)) == planned
+    assert len(fs.glob(f"{root}/manifests/*")) == planned  # each shard committed once
+    assert set(data.column("shard_id").to_pylist()) == set(shard_ids)
+    worker_ids = set(metrics.column("worker_id").to_pylist())
+    assert len(worker_ids) >= 2
+
+    # Which worker ran each shard batch: the worker logs its name into the flow run's logs,
+    # and each batch's flow-run process is the one that wrote its metrics row.
+    with client(stack) as api:
+        shard_runs = api.read_flow_runs(
+            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["default"]))
+        )
+        parent = api.read_flow_runs(
+            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
+        )[0]
+    assert len(shard_runs) == planned and all(r.state.is_completed() for r in shard_runs)
+    workers_of_shards: dict[str, set[str]] = {}
+    for run in shard_runs:
+        logs = flow_run_log_text(stack, str(run.id))
+        worker = re.search(r"Worker '(e2e-card\d)' submitting", logs).group(1)
+        for shard_id in run.parameters["shard_ids"]:
+            workers_of_shards.setdefault(worker, set()).add(shard_id)
+    assert set(workers_of_shards) == {"e2e-card0", "e2e-card1"}, workers_of_shards
+    assert set().union(*workers_of_shards.values()) == set(shard_ids)
+    assert parent.state.is_completed()
+
+    # Credentials came from the workers' environment and were never written anywhere.
+    for path in fs.find(root):
+        content = fs.cat_file(path)
+        assert ACCESS_KEY.encode() not in content and SECRET_KEY.encode() not in content
+    assert SECRET_KEY not in json.dumps(parent.parameters)
+    assert parse_run_config(parent.parameters["config"]).storage.endpoint_url
+
+
+def test_broken_input_uri_fails_the_watch_and_the_logs_say_why(
+    stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir
+) -> None:
+    config = s3_config(s3_endpoint, tiny_llama_dir, "s3://corpus-test/nowhere/*.jsonl",
+                       "s3://corpus-test/e2e-broken/out")
+    result, flow_run_id = deployment_run(stack, config)
+    assert result.returncode != 0, result.stdout
+    logs = flow_run_log_text(stack, flow_run_id)
+    assert "InputError" in logs and "nowhere/*.jsonl' matches no input files" in logs, logs
