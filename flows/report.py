@@ -21,6 +21,7 @@ from tasks.dashboard import (
     PRICE_COLUMNS,
     RUN_COLUMNS,
     SHARD_COLUMNS,
+    TEXT_FORMATS,
     Column,
     count,
     decimal,
@@ -67,7 +68,7 @@ def _parse_storage_options(items: list[str]) -> dict[str, Any]:
 def _rich_table(title: str, rows: list[dict[str, Any]], columns: list[Column]) -> Table:
     table = Table(title=title, title_justify="left", title_style="bold")
     for _, header, fmt in columns:
-        table.add_column(header, justify="left" if fmt is text else "right")
+        table.add_column(header, justify="left" if fmt in TEXT_FORMATS else "right")
     for row in rows:
         table.add_row(*(fmt(row.get(key)) for key, _, fmt in columns))
     return table

@@ -29,7 +29,11 @@ SELECT m.*,
        m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour) AS report_cost,
        m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour)
            / nullif(m.generated_tokens, 0) * 1e6 AS report_cost_per_1m_tokens,
-       o.usd_per_hour IS NOT NULL AS repriced
+       o.usd_per_hour IS NOT NULL AS repriced,
+       -- "target <- draft" by file name (a draft model, else the draft kind), for legends
+       regexp_extract(m.target_model, '[^/]+$') || ' <- '
+           || coalesce(nullif(regexp_extract(m.draft_model, '[^/]+$'), ''), m.draft_kind)
+           AS model_pair
 FROM metrics AS m LEFT JOIN price_overrides AS o ON o.device_type = m.device_type;
 
 -- Totals per run, per model pair x draft kind x device type, and overall (level column says which).
@@ -61,8 +65,7 @@ SELECT CASE WHEN grouping(run_id) = 0 THEN 'run'
            / nullif(sum(prompt_tokens + generated_tokens), 0) AS padding_waste,
        string_agg(DISTINCT device_type, ',' ORDER BY device_type) AS device_types,
        string_agg(DISTINCT draft_kind, ',' ORDER BY draft_kind) AS draft_kinds,
-       string_agg(DISTINCT target_model || ' <- ' || coalesce(draft_model, draft_kind), ', '
-                  ORDER BY target_model || ' <- ' || coalesce(draft_model, draft_kind)) AS model_pairs
+       string_agg(DISTINCT model_pair, ', ' ORDER BY model_pair) AS model_pairs
 FROM shard_costs
 GROUP BY GROUPING SETS ((run_id), (target_model, draft_model, draft_kind, device_type), ());
 
@@ -101,8 +104,9 @@ ORDER BY device_type, draft_kind, batch_bucket;
 
 -- Every committed shard, costliest first.
 CREATE OR REPLACE VIEW costliest_shards AS
-SELECT run_id, shard_id, device_type, draft_kind, generated_tokens, error_rows, wall_seconds,
-       tokens_per_second, acceptance_rate, padding_waste,
+SELECT run_id, shard_id, device_type, draft_kind, model_pair, generated_tokens, error_rows,
+       wall_seconds, tokens_per_second, proposed, accepted / nullif(proposed, 0) AS acceptance_rate,
+       padding_waste,
        report_cost AS cost, report_cost_per_1m_tokens AS cost_per_1m_tokens
 FROM shard_costs
 ORDER BY report_cost DESC NULLS LAST, run_id, shard_id;

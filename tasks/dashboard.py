@@ -49,6 +49,11 @@ def decimal(value: float | None) -> str:
     return "–" if value is None else f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
 
 
+def model(value: str | None) -> str:
+    """A model by its file name: paths are long and the same folder repeats."""
+    return "–" if not value else value.rstrip("/").rsplit("/", 1)[-1]
+
+
 def text(value: Any) -> str:
     if value is None:
         return "–"
@@ -280,7 +285,7 @@ def cost_per_run_chart(report: dict[str, Any]) -> str:
 
 
 def acceptance_per_shard_chart(report: dict[str, Any]) -> str:
-    shards = [shard for shard in report["shards"] if shard["acceptance_rate"] is not None]
+    shards = [shard for shard in report["shards"] if shard["proposed"]]
     colors = _colors([shard["draft_kind"] for shard in shards])
     by_run: dict[str, list[Bar]] = {}
     for shard in shards:
@@ -362,6 +367,7 @@ def throughput_by_bucket_chart(report: dict[str, Any]) -> str:
 
 
 Column = tuple[str, str, Callable[[Any], str]]
+TEXT_FORMATS = (text, model)  # left-aligned columns
 
 RUN_COLUMNS: list[Column] = [
     ("run_id", "run", text), ("run_date", "date", text), ("device_types", "device", text),
@@ -372,7 +378,7 @@ RUN_COLUMNS: list[Column] = [
     ("padding_waste", "padding", rate), ("error_rows", "error rows", count),
 ]  # fmt: skip
 MODEL_PAIR_COLUMNS: list[Column] = [
-    ("target_model", "target", text), ("draft_model", "draft model", text),
+    ("target_model", "target", model), ("draft_model", "draft model", model),
     ("draft_kind", "draft kind", text), ("device_type", "device", text),
     ("shards", "shards", count), ("generated_tokens", "tokens", count),
     ("cost_per_1m_tokens", "$ / 1M tok", usd), ("tokens_per_second", "tok/s", decimal),
@@ -395,7 +401,7 @@ PRICE_COLUMNS: list[Column] = [
 
 def table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
     head = "".join(
-        f'<th class="{"text" if fmt is text else ""}">{escape(title)}</th>'
+        f'<th class="{"text" if fmt in TEXT_FORMATS else ""}">{escape(title)}</th>'
         for _, title, fmt in columns
     )
     body = []
@@ -403,8 +409,10 @@ def table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
         cells = []
         for key, _, fmt in columns:
             value = row.get(key)
-            css = "text" if fmt is text else ("bad" if key == "error_rows" and value else "")
-            cells.append(f'<td class="{css}">{escape(fmt(value))}</td>')
+            css = "text" if fmt in TEXT_FORMATS else "bad" if key == "error_rows" and value else ""
+            cells.append(
+                f'<td class="{css}" title="{escape(text(value))}">{escape(fmt(value))}</td>'
+            )
         body.append(f"<tr>{''.join(cells)}</tr>")
     return (
         f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
