@@ -30,10 +30,10 @@ SELECT m.*,
        m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour)
            / nullif(m.generated_tokens, 0) * 1e6 AS report_cost_per_1m_tokens,
        o.usd_per_hour IS NOT NULL AS repriced,
-       -- "target <- draft" by file name (a draft model, else the draft kind), for legends
+       -- "target <- draft" by file name (the draft model for kind=model, else the kind), for legends
        regexp_extract(m.target_model, '[^/]+$') || ' <- '
-           || coalesce(nullif(regexp_extract(m.draft_model, '[^/]+$'), ''), m.draft_kind)
-           AS model_pair
+           || CASE WHEN m.draft_kind = 'model' THEN regexp_extract(m.draft_model, '[^/]+$')
+                   ELSE m.draft_kind END AS model_pair
 FROM metrics AS m LEFT JOIN price_overrides AS o ON o.device_type = m.device_type;
 
 -- Totals per run, per model pair x draft kind x device type, and overall (level column says which).

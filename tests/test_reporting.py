@@ -315,6 +315,23 @@ def test_readme_documents_every_metrics_column_with_its_type_and_doc():
 # --- over the real pipeline's outputs ------------------------------------------------------------
 
 
+def check_run_against_outputs(out: str, run: dict, summary: dict) -> None:
+    """A report's run row agrees with the flow's summary, the data rows and the metrics rows."""
+    data = ds.dataset(f"{out}/data", partitioning="hive").to_table().to_pylist()
+    data = [row for row in data if row["run_id"] == run["run_id"]]
+    metrics = ds.dataset(f"{out}/metrics", partitioning="hive").to_table().to_pylist()
+    metrics = [row for row in metrics if row["run_id"] == run["run_id"]]
+    tokens = sum(row["completion_tokens"] for row in data)
+    assert run["generated_tokens"] == summary["generated_tokens"] == tokens > 0
+    assert run["ok_rows"] == len(data) and run["error_rows"] == summary["error_rows"]
+    assert run["cost"] == pytest.approx(summary["cost"])
+    cost = sum(m["device_seconds"] / 3600 * m["price_per_device_hour"] for m in metrics)
+    assert run["cost"] == pytest.approx(cost)
+    assert run["cost_per_1m_tokens"] == pytest.approx(cost / tokens * 1e6)
+    assert run["accepted"] == sum(row["accepted"] for row in data)
+    assert run["proposed"] == sum(row["proposed"] for row in data)
+
+
 @pytest.mark.usefixtures("prefect_server")
 def test_report_over_two_real_pipeline_runs(tmp_path, tiny_llama_dir):
     write_jsonl(tmp_path / "in" / "plain.jsonl", good_rows(10))
@@ -330,29 +347,27 @@ def test_report_over_two_real_pipeline_runs(tmp_path, tiny_llama_dir):
     ))  # fmt: skip
 
     report = build_report(open_committed_metrics(out))
-    runs = {run["run_id"]: run for run in report["runs"]}
+    runs = _by(report["runs"], "run_id")
     assert set(runs) == {"plain", "drafted"}
-    metrics = ds.dataset(f"{out}/metrics", partitioning="hive").to_table().to_pylist()
-    data = ds.dataset(f"{out}/data", partitioning="hive").to_table().to_pylist()
-    for run_id, summary in (("plain", plain), ("drafted", drafted)):
-        rows = [m for m in metrics if m["run_id"] == run_id]
-        run = runs[run_id]
-        assert (
-            run["generated_tokens"]
-            == summary["generated_tokens"]
-            == sum(d["completion_tokens"] for d in data if d["run_id"] == run_id)
-        )
-        assert run["cost"] == pytest.approx(sum(m["cost"] for m in rows))
-        assert run["cost"] == pytest.approx(summary["cost"])
-        assert run["error_rows"] == summary["error_rows"]
+    check_run_against_outputs(out, runs["plain"], plain)
+    check_run_against_outputs(out, runs["drafted"], drafted)
     assert runs["drafted"]["error_rows"] == 3 and runs["plain"]["error_rows"] == 0
-    drafted_rows = [m for m in metrics if m["run_id"] == "drafted"]
+    assert runs["drafted"]["cost"] == pytest.approx(runs["drafted"]["device_seconds"] / 3600 * 3.6)
     assert runs["drafted"]["acceptance_rate"] == pytest.approx(
-        sum(m["accepted"] for m in drafted_rows) / sum(m["proposed"] for m in drafted_rows)
-    )
-    assert runs["drafted"]["cost"] == pytest.approx(
-        sum(m["device_seconds"] for m in drafted_rows) / 3600 * 3.6
+        runs["drafted"]["accepted"] / runs["drafted"]["proposed"]
     )
     positions = [p for p in report["position_acceptance"] if p["run_id"] == "drafted"]
     assert [p["position"] for p in positions] == [0, 1]
     assert "<svg" in render_dashboard(report, out)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("prefect_server")
+def test_report_over_a_smollm2_run_with_prompt_lookup(tmp_path, smollm2_spec):
+    write_jsonl(tmp_path / "in.jsonl", good_rows(4), bad_every=2)
+    out = str(tmp_path / "out")
+    engine = {**tiny_engine(smollm2_spec.path), "draft": {"kind": "prompt_lookup"}}
+    summary = generate_corpus(run_config(str(tmp_path / "in.jsonl"), out, engine, run_id="smol"))
+    (run,) = build_report(open_committed_metrics(out))["runs"]
+    check_run_against_outputs(out, run, summary)
+    assert run["error_rows"] == 2 and run["model_pairs"] == f"{smollm2_spec.path} <- prompt_lookup"
