@@ -117,7 +117,8 @@ def _chat(value: Any, name: str) -> list[dict[str, str]]:
 def build_prompt(record: dict, spec: InputSpec) -> tuple[Prompt, str]:
     """The prompt for the engine and its text for the data table; ValueError says why not."""
     if spec.messages_field:
-        messages = _chat(record.get(spec.messages_field), spec.messages_field)
+        value = _field(record, spec.messages_field, (list,), "a list of messages")
+        messages = _chat(value, spec.messages_field)
         if not any(m["content"].strip() for m in messages):
             raise ValueError("empty_prompt: every message is empty")
         return messages, json.dumps(messages, ensure_ascii=False)

@@ -150,3 +150,28 @@ def test_invalid_config_and_missing_input_write_nothing(tmp_path, tiny_llama_dir
     with pytest.raises(InputError, match="matches no input files"):
         generate_corpus(missing)
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_smollm2_end_to_end(tmp_path, smollm2_spec):
+    """The packaged SmolLM2 on chat prompts: real text back; planted bad rows are error rows."""
+    chats = [
+        {"id": f"chat-{i}", "messages": [{"role": "user", "content": row["prompt"]}]}
+        for i, row in enumerate(good_rows(4))
+    ]
+    bad = ['{"id": "broken", "messages": [', '{"id": "no-chat"}',
+           '{"id": "bad-role", "messages": [{"role": "robot", "content": "hi"}]}']
+    lines = [json.dumps(chat) for chat in chats[:2]] + bad + [json.dumps(c) for c in chats[2:]]
+    (tmp_path / "in.jsonl").write_text("\n".join(lines) + "\n")
+    engine = {**tiny_engine("unused"), "target": smollm2_spec.model_dump()}
+    engine["bucket_grid"] = {"batch_sizes": [4], "prompt_lengths": [64], "cache_lengths": [80],
+                             "draft_lengths": [2]}
+    config = run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), engine)
+    config["input"] = {"uri": str(tmp_path / "in.jsonl"), "messages_field": "messages",
+                       "id_field": "id"}
+    summary = generate_corpus(config)
+    data = check_outputs(fsspec.filesystem("file"), str(tmp_path / "out"),
+                         {chat["id"] for chat in chats},
+                         ["malformed_json", "missing_field", "wrong_type"], summary)
+    texts = data.column("completion").to_pylist()
+    assert all(sum(c.isalpha() for c in text) >= 8 for text in texts), texts
