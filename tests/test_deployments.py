@@ -10,7 +10,6 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -40,6 +39,7 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
+TRIGGER = REPO / "deployments" / "ci" / "trigger.sh"
 CARD_WORKERS = 2
 # Distinctive credentials the workers get from their environment; moto accepts any.
 ACCESS_KEY, SECRET_KEY = "AKIDDEPLOYE2E", "deploy-e2e-secret-never-written"
@@ -55,21 +55,22 @@ class PrefectStack:
     processes: dict[str, subprocess.Popen] = field(default_factory=dict)
 
     def start(self, name: str, *command: str) -> subprocess.Popen:
-        log = (self.logs / f"{name}.log").open("w")
-        process = subprocess.Popen(
-            command, cwd=REPO, env=self.env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        with (self.logs / f"{name}.log").open("w") as log:  # the child keeps its own copy
+            process = subprocess.Popen(
+                command,
+                cwd=REPO,
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.processes[name] = process
         return process
 
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run(
+    def check(self, *args: str, timeout: float = 120) -> str:
+        result = subprocess.run(
             args, cwd=REPO, env=self.env, capture_output=True, text=True, timeout=timeout
         )
-
-    def check(self, *args: str, timeout: float = 120) -> str:
-        result = self.cli(*args, timeout=timeout)
         assert result.returncode == 0, f"{args} failed:\n{result.stdout}\n{result.stderr}"
         return result.stdout
 
@@ -142,14 +143,24 @@ def stack(tmp_path_factory, s3_endpoint) -> Iterator[PrefectStack]:
     }
     stack = PrefectStack(api_url, env, tmp_path_factory.mktemp("prefect-logs"))
     try:
-        stack.start("server", "prefect", "server", "start", "--host", "127.0.0.1", "--port",
-                    str(port))
+        stack.start(
+            "server", "prefect", "server", "start", "--host", "127.0.0.1", "--port", str(port)
+        )
         stack.wait_healthy()
         stack.check(str(REPO / "deployments" / "setup-pools.sh"), str(CARD_WORKERS))
-        stack.check("prefect", "--no-prompt", "deploy", "--all", "--prefect-file",
-                    str(PREFECT_YAML))
-        stack.start("control", "prefect", "worker", "start", "--pool", "corpusgen-control",
-                    "--name", "e2e-control")
+        stack.check(
+            "prefect", "--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_YAML)
+        )
+        stack.start(
+            "control",
+            "prefect",
+            "worker",
+            "start",
+            "--pool",
+            "corpusgen-control",
+            "--name",
+            "e2e-control",
+        )
         stack.start("cards", str(REPO / "deployments" / "start-workers.sh"), str(CARD_WORKERS))
         stack.wait_for_log("control", r"Worker '.*' started")
         stack.wait_for_log("cards", r"Worker '.*' started", count=CARD_WORKERS)
@@ -157,23 +168,53 @@ def stack(tmp_path_factory, s3_endpoint) -> Iterator[PrefectStack]:
     finally:
         survivors = stack.stop_all()
         assert not survivors, f"processes left running: {survivors}"
-        shutil.rmtree(home, ignore_errors=True)
 
 
 def client(stack: PrefectStack) -> SyncPrefectClient:
     return SyncPrefectClient(api=stack.api_url)
 
 
-def deployment_run(stack: PrefectStack, config: dict) -> tuple[subprocess.CompletedProcess, str]:
-    """`prefect deployment run ... --watch` as a CI job runs it; returns (result, flow run id)."""
-    result = stack.cli(
-        "prefect", "deployment", "run", "generate-corpus/ci",
-        "--param", f"config={json.dumps(config)}", "--watch", "--watch-timeout", "240",
+def deployment_run(
+    stack: PrefectStack, config: dict, tmp_path: Path
+) -> tuple[subprocess.CompletedProcess, str]:
+    """Start `generate-corpus/ci` the way a CI job does (deployments/ci/trigger.sh, which runs
+    `prefect deployment run ... --watch`); returns (result, flow run id)."""
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps(config))
+    result = subprocess.run(
+        [str(TRIGGER), str(config_file)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
         timeout=300,
+        env={**stack.env, "CORPUSGEN_WATCH_TIMEOUT": "240"},
     )
     match = re.search(r"UUID: ([0-9a-f-]{36})", result.stdout)
     assert match, f"no flow run id in:\n{result.stdout}\n{result.stderr}"
     return result, match.group(1)
+
+
+def wait_for_submitting_workers(
+    stack: PrefectStack, flow_run_ids: set[str], timeout: float = 60
+) -> dict[str, str]:
+    """flow run id -> name of the worker that started it, from the `submitted-flow-run` events a
+    worker emits only after it won the run (events reach the database a few seconds late)."""
+    body = {"filter": {"event": {"name": ["prefect.worker.submitted-flow-run"]}}, "limit": 50}
+    deadline = time.monotonic() + timeout
+    while True:
+        response = httpx.post(f"{stack.api_url}/events/filter", json=body, timeout=10)
+        events = response.raise_for_status().json()
+        workers = {
+            related["prefect.resource.id"].removeprefix("prefect.flow-run."): event["resource"][
+                "prefect.resource.name"
+            ]
+            for event in events["events"]
+            for related in event["related"]
+            if related.get("prefect.resource.role") == "flow-run"
+        }
+        if flow_run_ids <= workers.keys() or time.monotonic() > deadline:
+            return {run_id: workers.get(run_id) for run_id in flow_run_ids}
+        time.sleep(1)
 
 
 def flow_run_log_text(stack: PrefectStack, flow_run_id: str) -> str:
@@ -182,11 +223,16 @@ def flow_run_log_text(stack: PrefectStack, flow_run_id: str) -> str:
 
 def s3_config(s3_endpoint, tiny_llama_dir, input_uri: str, output: str) -> dict:
     return run_config(
-        input_uri, output, tiny_engine(tiny_llama_dir),
+        input_uri,
+        output,
+        tiny_engine(tiny_llama_dir),
         storage={"endpoint_url": s3_endpoint["endpoint_url"]},
         accelerator_slots=CARD_WORKERS,
-        dispatch={"mode": "deployment", "deployment": "generate-shards/default",
-                  "shards_per_run": 1},
+        dispatch={
+            "mode": "deployment",
+            "deployment": "generate-shards/default",
+            "shards_per_run": 1,
+        },
     )
 
 
@@ -212,6 +258,25 @@ def test_deploy_creates_what_the_yaml_declares(stack: PrefectStack) -> None:
     )
     assert "gaudi_cards" in pools["gaudi-k8s"].base_job_template["variables"]["properties"]
     assert limit.limit == CARD_WORKERS
+    # One worker per card, each pinned with the HABANA_VISIBLE_MODULES its flow runs inherit.
+    card_workers = psutil.Process(stack.processes["cards"].pid).children()
+    assert sorted(w.environ()["HABANA_VISIBLE_MODULES"] for w in card_workers) == ["0", "1"]
+
+
+def test_trigger_rejects_a_bad_config_before_queueing_anything(tmp_path) -> None:
+    config_file = tmp_path / "config.json"
+    config_file.write_text(json.dumps({"input": {"uri": "in.jsonl"}, "seed": "x"}))
+    result = subprocess.run(
+        [str(TRIGGER), str(config_file)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PREFECT_API_URL": "http://127.0.0.1:9/api"},  # nothing listens
+    )
+    assert result.returncode != 0
+    for field_name in ("input", "generation", "output", "seed"):
+        assert f"- {field_name}" in result.stderr, result.stderr
+    assert "prefect" not in result.stdout.lower()
 
 
 def test_ci_run_spreads_shards_over_both_workers_exactly_once(
@@ -219,13 +284,15 @@ def test_ci_run_spreads_shards_over_both_workers_exactly_once(
 ) -> None:
     rows = good_rows(32)
     write_jsonl(tmp_path / "in.jsonl", rows)
-    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint["endpoint_url"], key=ACCESS_KEY,
-                           secret=SECRET_KEY)
+    fs = s3fs.S3FileSystem(
+        endpoint_url=s3_endpoint["endpoint_url"], key=ACCESS_KEY, secret=SECRET_KEY
+    )
     fs.put(str(tmp_path / "in.jsonl"), "corpus-test/e2e/in.jsonl")
-    config = s3_config(s3_endpoint, tiny_llama_dir, "s3://corpus-test/e2e/in.jsonl",
-                       "s3://corpus-test/e2e/out")
+    config = s3_config(
+        s3_endpoint, tiny_llama_dir, "s3://corpus-test/e2e/in.jsonl", "s3://corpus-test/e2e/out"
+    )
 
-    result, flow_run_id = deployment_run(stack, config)
+    result, flow_run_id = deployment_run(stack, config, tmp_path)
     assert result.returncode == 0, (
         f"{result.stdout}\n{result.stderr}\n{flow_run_log_text(stack, flow_run_id)}"
     )
@@ -243,8 +310,6 @@ def test_ci_run_spreads_shards_over_both_workers_exactly_once(
     worker_ids = set(metrics.column("worker_id").to_pylist())
     assert len(worker_ids) >= 2
 
-    # Which worker ran each shard batch: the worker logs its name into the flow run's logs,
-    # and each batch's flow-run process is the one that wrote its metrics row.
     with client(stack) as api:
         shard_runs = api.read_flow_runs(
             deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["default"]))
@@ -252,13 +317,13 @@ def test_ci_run_spreads_shards_over_both_workers_exactly_once(
         parent = api.read_flow_runs(
             flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
         )[0]
-    assert len(shard_runs) == planned and all(r.state.is_completed() for r in shard_runs)
+        assert len(shard_runs) == planned and all(r.state.is_completed() for r in shard_runs)
+    worker_of_run = wait_for_submitting_workers(stack, {str(run.id) for run in shard_runs})
     workers_of_shards: dict[str, set[str]] = {}
     for run in shard_runs:
-        logs = flow_run_log_text(stack, str(run.id))
-        worker = re.search(r"Worker '(e2e-card\d)' submitting", logs).group(1)
-        for shard_id in run.parameters["shard_ids"]:
-            workers_of_shards.setdefault(worker, set()).add(shard_id)
+        workers_of_shards.setdefault(worker_of_run[str(run.id)], set()).update(
+            run.parameters["shard_ids"]
+        )
     assert set(workers_of_shards) == {"e2e-card0", "e2e-card1"}, workers_of_shards
     assert set().union(*workers_of_shards.values()) == set(shard_ids)
     assert parent.state.is_completed()
@@ -272,11 +337,33 @@ def test_ci_run_spreads_shards_over_both_workers_exactly_once(
 
 
 def test_broken_input_uri_fails_the_watch_and_the_logs_say_why(
-    stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir
+    stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
-    config = s3_config(s3_endpoint, tiny_llama_dir, "s3://corpus-test/nowhere/*.jsonl",
-                       "s3://corpus-test/e2e-broken/out")
-    result, flow_run_id = deployment_run(stack, config)
+    config = s3_config(
+        s3_endpoint,
+        tiny_llama_dir,
+        "s3://corpus-test/nowhere/*.jsonl",
+        "s3://corpus-test/e2e-broken/out",
+    )
+    result, flow_run_id = deployment_run(stack, config, tmp_path)
     assert result.returncode != 0, result.stdout
     logs = flow_run_log_text(stack, flow_run_id)
     assert "InputError" in logs and "nowhere/*.jsonl' matches no input files" in logs, logs
+
+
+def test_yaml_entrypoints_pools_and_configs_fit_together() -> None:
+    """Fast consistency checks of what `prefect deploy` and the workers will need."""
+    from prefect.flows import load_flow_from_entrypoint
+
+    declared = yaml.safe_load(PREFECT_YAML.read_text())["deployments"]
+    created_pools = set(
+        re.findall(r"work-pool create (\S+)", (REPO / "deployments/setup-pools.sh").read_text())
+    )
+    flows = {d["name"]: load_flow_from_entrypoint(str(REPO / d["entrypoint"])) for d in declared}
+    names = {f"{flows[d['name']].name}/{d['name']}" for d in declared}
+    assert {"generate-corpus/ci", "generate-corpus/nightly", "generate-shards/default"} <= names
+    for deployment in declared:
+        assert deployment["work_pool"]["name"] in created_pools, deployment["name"]
+        if config := deployment.get("parameters", {}).get("config"):
+            dispatch = parse_run_config(REPO / config).dispatch
+            assert dispatch.mode == "deployment" and dispatch.deployment in names
