@@ -336,6 +336,50 @@ def test_ci_run_spreads_shards_over_both_workers_exactly_once(
     assert parse_run_config(parent.parameters["config"]).storage.endpoint_url
 
 
+def test_two_workers_racing_on_the_same_shards_commit_each_once(
+    stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
+) -> None:
+    """Two generate-shards runs for the same planned shards, one per card worker, at once: each
+    shard ends with one manifest, its rows published once and no staged attempt left over."""
+    from flows.generate import plan_run
+
+    rows = good_rows(16)
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint["endpoint_url"])
+    fs.put(str(tmp_path / "in.jsonl"), "corpus-test/race/in.jsonl")
+    config = s3_config(
+        s3_endpoint, tiny_llama_dir, "s3://corpus-test/race/in.jsonl", "s3://corpus-test/race/out"
+    )
+    plan = plan_run.fn(parse_run_config(config))  # what the parent does before dispatching
+    shard_ids = [shard.shard_id for shard in plan.shards]
+    with client(stack) as api:
+        deployment = api.read_deployment_by_name("generate-shards/default")
+        runs = [
+            api.create_flow_run_from_deployment(
+                deployment.id, parameters={"config": config, "shard_ids": shard_ids}
+            )
+            for _ in range(2)
+        ]
+        deadline = time.monotonic() + 180
+        while not all(run.state.is_final() for run in runs):
+            assert time.monotonic() < deadline, [run.state for run in runs]
+            time.sleep(1)
+            runs = [api.read_flow_run(run.id) for run in runs]
+    assert all(run.state.is_completed() for run in runs), [run.state for run in runs]
+    first, second = runs
+    assert first.start_time < second.end_time and second.start_time < first.end_time  # overlap
+    workers = wait_for_submitting_workers(stack, {str(run.id) for run in runs})
+    assert set(workers.values()) == {"e2e-card0", "e2e-card1"}
+
+    root = "corpus-test/race/out"
+    assert len(fs.glob(f"{root}/manifests/*.json")) == len(shard_ids) == 2
+    data = ds.dataset(f"{root}/data", filesystem=fs, partitioning="hive").to_table()
+    assert sorted(data.column("id").to_pylist()) == sorted(row["id"] for row in rows)
+    metrics = ds.dataset(f"{root}/metrics", filesystem=fs, partitioning="hive").to_table()
+    assert sorted(metrics.column("shard_id").to_pylist()) == sorted(shard_ids)
+    assert not fs.glob(f"{root}/_attempts/**/*.parquet")
+
+
 def test_broken_input_uri_fails_the_watch_and_the_logs_say_why(
     stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
