@@ -19,7 +19,7 @@ from generation import loading
 from generation.device import resolve_device
 from generation.metrics import DraftLengthChooser, EngineStats
 from generation.model import CausalLM, DecoderConfig
-from generation.proposers import ModelProposer, PromptLookupProposer
+from generation.proposers import CATCH_UP_WIDTHS, ModelProposer, PromptLookupProposer
 from generation.quantize import quantized_copy
 from generation.rejection import verify
 from generation.runner import ModelRunner, bucket
@@ -40,6 +40,7 @@ class _Row:
     tokens: list[int]
     prompt_len: int
     rng: RowRandom
+    draft_seen: int = 0  # context tokens whose K/V the draft cache holds
     finish: str | None = None
     rounds: int = 0
     proposed: int = 0
@@ -98,7 +99,8 @@ def _check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         raise ValueError(
             f"draft model {draft.directory} cannot draft for {target.directory}: "
             + "; ".join(problems)
-            + ". A draft must share the target's tokenizer; use kind='quantized' or 'prompt_lookup'."
+            + ". A draft must share the target's tokenizer; "
+            "use kind='quantized' or 'prompt_lookup'."
         )
 
 
@@ -225,13 +227,13 @@ class Engine:
         }
 
     def warmup(self) -> None:
-        """Run every grid shape (twice: the second run gives steady-state timings for choosing K)."""
+        """Run every grid shape twice (the second run gives steady-state timings for K auto)."""
         grid = self.grid
-        runners = [
-            (self.target, [1] + [k + 1 for k in grid.draft_lengths] if self.proposer else [1])
-        ]
-        if self._draft_runner:
-            runners.append((self._draft_runner, [1, 2]))
+        verify_lengths = [k + 1 for k in grid.draft_lengths] if self.proposer else []
+        runners = [(self.target, [1, *verify_lengths])]
+        if self._draft_runner:  # catch-up widths beyond 2 only follow plain steps (K auto)
+            widths = [2] if self.chooser.fixed else CATCH_UP_WIDTHS
+            runners.append((self._draft_runner, sorted({1, *widths})))
         for runner, lengths in runners:
             for _ in range(2):
                 for b in grid.batch_sizes:
@@ -239,9 +241,8 @@ class Engine:
                         runner.prefill([[0] * t] * b, list(range(b)))
                     for t in lengths:
                         for s in grid.cache_lengths:
-                            runner.decode(
-                                torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t), b
-                            )
+                            tokens = torch.zeros(b, t, dtype=torch.long)
+                            runner.decode(tokens, torch.full((b,), s - t), b)
         self.reset_stats()
 
     # ---- generation ------------------------------------------------------------------------
@@ -273,6 +274,7 @@ class Engine:
                 self._compact(slots)
             width = bucket(self.grid.batch_sizes, max(i for i, row in enumerate(slots) if row) + 1)
             k = self._choose_k(width) if self.proposer else 0
+            self._stats.record_step(k)
             if k:
                 self._speculative_step(slots[:width], k, params)
             else:
@@ -326,6 +328,7 @@ class Engine:
         first = choose(logits, params, uniforms[:, 0]).tolist()
         for (slot, row), token in zip(admitted, first, strict=True):
             slots[slot] = row
+            row.draft_seen = row.prompt_len
             self._stats.prompt_tokens += row.prompt_len
             self._append(row, [token], params)
         self._stats.prefill_seconds += time.perf_counter() - started
@@ -347,7 +350,10 @@ class Engine:
         uniforms = self._uniforms(batch, 2 * k + 1, params)  # K draft draws, K tests, 1 final
         started = time.perf_counter()
         contexts = [row.tokens if row else None for row in batch]
-        draft_tokens, draft_probs = self.proposer.propose(contexts, k, params, uniforms[:, :k])
+        seen = [row.draft_seen if row else 0 for row in batch]
+        draft_tokens, draft_probs = self.proposer.propose(
+            contexts, seen, k, params, uniforms[:, :k]
+        )
         drafted = time.perf_counter()
         last = torch.tensor([[row.tokens[-1] if row else 0] for row in batch])
         starts = torch.tensor([len(row.tokens) - 1 if row else 0 for row in batch])
@@ -365,12 +371,13 @@ class Engine:
             kept = accepted[i]
             counts.append(kept)
             row.rounds += 1
+            row.draft_seen = len(row.tokens) + min(kept, k - 1)  # fed: context + d1..d(K-1)
             row.proposed += k
             row.accepted += kept
             row.accepted_per_position += [0] * (k - len(row.accepted_per_position))
             for position in range(kept):
                 row.accepted_per_position[position] += 1
-            self._append(row, draft_tokens[i, :kept].tolist() + [next_token[i]], params)
+            self._append(row, [*draft_tokens[i, :kept].tolist(), next_token[i]], params)
         self._stats.record_round(k, counts)
         self.chooser.observe(k, counts)
 

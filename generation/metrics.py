@@ -31,6 +31,7 @@ class EngineStats:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
+    steps_per_k: dict[int, int] = field(default_factory=dict)  # batch steps by K (0 = plain)
 
     @property
     def acceptance_rate(self) -> float:
@@ -39,6 +40,9 @@ class EngineStats:
     @property
     def mean_accepted_length(self) -> float:
         return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+
+    def record_step(self, k: int) -> None:
+        self.steps_per_k[k] = self.steps_per_k.get(k, 0) + 1
 
     def record_round(self, k: int, accepted: list[int]) -> None:
         if len(self.accepted_per_position) < k:
@@ -71,7 +75,7 @@ class DraftLengthChooser:
     """
 
     def __init__(
-        self, grid_ks: list[int], fixed: int | None, explore_every: int = 16, decay: float = 0.9
+        self, grid_ks: list[int], fixed: int | None, explore_every: int = 8, decay: float = 0.9
     ):
         self.grid_ks, self.fixed = grid_ks, fixed
         self.explore_every, self.decay = explore_every, decay

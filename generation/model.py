@@ -33,7 +33,8 @@ class DecoderConfig:
     rms_norm_eps: float
     rope_theta: float
     rope_scaling: dict | None
-    attention_bias: bool
+    attention_bias: bool  # q/k/v projections
+    output_bias: bool  # o_proj: Llama's attention_bias covers it, Qwen2's q/k/v bias does not
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None
@@ -73,6 +74,7 @@ class DecoderConfig:
             rope_theta=rope.get("rope_theta", raw.get("rope_theta", 10000.0)),
             rope_scaling=scaling,
             attention_bias=model_type == "qwen2" or raw.get("attention_bias", False),
+            output_bias=model_type != "qwen2" and raw.get("attention_bias", False),
             mlp_bias=raw.get("mlp_bias", False),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             sliding_window=sliding,
@@ -123,7 +125,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.attention_bias)
         self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
         self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
-        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=False)
+        self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.output_bias)
 
     def forward(self, x, cos, sin, mask, cache_k, cache_v, write_index, attend_len):
         b, t, _ = x.shape
@@ -258,5 +260,6 @@ class CausalLM(nn.Module):
         ]
         if missing or unexpected:
             raise ValueError(
-                f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+                "checkpoint does not match the model: "
+                f"missing {missing[:5]}, unexpected {unexpected[:5]}"
             )

@@ -11,17 +11,20 @@ import time
 import numpy as np
 import torch
 
-from generation.runner import ModelRunner
+from generation.runner import ModelRunner, bucket
 from generation.sampling import choose, probabilities
 from schemas import SamplingParams
+
+CATCH_UP_WIDTHS = [2, 4, 8, 16]  # first-step widths: tokens the draft has not seen yet
 
 
 class ModelProposer:
     """A draft model (separate, or the target quantized) decoding K tokens autoregressively.
 
-    Its first step always feeds the last two context tokens: after a round where every draft
-    token was accepted the draft has not seen the K-th one, and re-feeding one position
-    otherwise is harmless. That keeps one static shape instead of a data-dependent branch.
+    The draft's cache lags the context by at least one token (the pending one) and by more after
+    plain (K = 0) steps, which skip the draft. Its first step therefore feeds the row's last
+    `width` tokens, width from CATCH_UP_WIDTHS covering the largest lag in the batch; re-feeding
+    positions the draft has already seen is harmless. Static shapes, no per-row branching.
     """
 
     def __init__(self, runner: ModelRunner):
@@ -32,42 +35,51 @@ class ModelProposer:
     def forwards(self) -> int:
         return self.runner.forwards
 
+    def seconds_for(self, b: int, k: int) -> float:
+        return self.runner.mean_seconds(b, 2) + (k - 1) * self.runner.mean_seconds(b, 1)
+
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         started = time.perf_counter()
         self.runner.prefill(prompts, rows)
         self.seconds += time.perf_counter() - started
 
-    def seconds_for(self, b: int, k: int) -> float:
-        return self.runner.mean_seconds(b, 2) + (k - 1) * self.runner.mean_seconds(b, 1)
-
     def propose(
         self,
         contexts: list[list[int] | None],
+        seen: list[int],
         k: int,
         params: SamplingParams,
         uniforms: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [b, K] and, when sampling, their probabilities [b, K, vocab].
 
-        `contexts[i]` is None for an idle row: it runs at position 0 of its own free cache row.
+        `contexts[i]` is None for an idle row (it runs at position 0 of its own free cache row);
+        `seen[i]` is how many of row i's context tokens the draft cache holds.
         """
         started = time.perf_counter()
+        lag = max(len(ctx) - done for ctx, done in zip(contexts, seen, strict=True) if ctx)
+        width = bucket(CATCH_UP_WIDTHS, lag)
+        firsts = [max(len(ctx) - width, 0) if ctx else 0 for ctx in contexts]
+        window = [
+            (ctx[first : first + width] if ctx else [])
+            for ctx, first in zip(contexts, firsts, strict=False)
+        ]
+        tokens = torch.tensor([w + [0] * (width - len(w)) for w in window])
+        starts = torch.tensor(firsts)
+        last = torch.tensor([[max(len(w) - 1, 0)] for w in window])
         idle = torch.tensor([ctx is None for ctx in contexts])
-        live = int((~idle).sum())
-        tokens = torch.tensor([ctx[-2:] if ctx else [0, 0] for ctx in contexts])
-        starts = torch.tensor([len(ctx) - 2 if ctx else 0 for ctx in contexts])
+        live = len(contexts) - int(idle.sum())
         drafted, probs = [], []
         for step in range(k):
-            logits = self.runner.decode(tokens, starts, live, last_only=True)[:, 0]
+            logits = self.runner.decode(tokens, starts, live, logit_index=last)[:, 0]
             if not params.greedy:
                 probs.append(probabilities(logits, params))
             token = choose(logits, params, uniforms[:, step]).cpu()
             drafted.append(token)
-            starts = (starts + tokens.shape[1]).masked_fill(idle, 0)
-            tokens = token[:, None]
+            starts = (starts + last[:, 0] + 1).masked_fill(idle, 0)
+            tokens, last = token[:, None], torch.zeros_like(last)
         self.seconds += time.perf_counter() - started
-        draft = torch.stack(drafted, dim=1)
-        return draft, (torch.stack(probs, dim=1) if probs else None)
+        return torch.stack(drafted, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
 
 class PromptLookupProposer:
@@ -89,7 +101,7 @@ class PromptLookupProposer:
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         """Nothing to precompute: the context itself is the draft's whole state."""
 
-    def propose(self, contexts, k, params, uniforms):
+    def propose(self, contexts, seen, k, params, uniforms):
         started = time.perf_counter()
         drafts = [self._lookup(ctx, k) if ctx else [0] * k for ctx in contexts]
         self.seconds += time.perf_counter() - started

@@ -27,7 +27,7 @@ def verify(
     norm(max(0, p - q)); after K acceptances draw the bonus token from p. The result has the
     target's distribution whatever the draft proposes.
     """
-    b, k = draft_tokens.shape
+    _b, k = draft_tokens.shape
     if params.greedy:
         target_choice = target_logits.argmax(-1)  # [b, K+1]
         matches = (draft_tokens == target_choice[:, :k]).long()

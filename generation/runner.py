@@ -116,19 +116,26 @@ class ModelRunner:
         )
         return logits[: len(prompts), 0]
 
-    def decode(self, tokens: torch.Tensor, starts: torch.Tensor, live: int, last_only=False):
+    def decode(
+        self,
+        tokens: torch.Tensor,
+        starts: torch.Tensor,
+        useful_rows: int,
+        logit_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Forward `tokens` [b, t] for cache rows 0..b-1, row i's first token at `starts[i]`.
 
-        Rows past `live` are idle padding (start 0, in their own free rows). Returns logits for
-        every position [b, t, vocab], or only the last [b, 1, vocab].
+        Idle rows run at position 0 of their own free cache row. Returns logits [b, n, vocab]
+        for the positions in `logit_index` [b, n], by default every position.
         """
         b, t = tokens.shape
         positions = starts[:, None] + torch.arange(t)
         attend = bucket(self.grid.cache_lengths, int(positions.max()) + 1)
-        logit_index = torch.full((b, 1), t - 1) if last_only else torch.arange(t).expand(b, t)
+        if logit_index is None:
+            logit_index = torch.arange(t).expand(b, t)
         return self._run(
             ("decode", b, t, attend),
-            live * t,
+            useful_rows * t,
             tokens=tokens.to(self.device),
             positions=positions.to(self.device),
             rows=torch.arange(b).to(self.device),

@@ -34,8 +34,12 @@ def smollm2_dir(smollm2_spec):
     return resolve_model_dir(smollm2_spec)
 
 
-def _tiny_model_dir(root, smollm2_dir, config_class, model_class, seed: int, **overrides):
-    """A random tiny model saved as a Hugging Face directory, with SmolLM2's real tokenizer."""
+def _tiny_model_dir(
+    root, smollm2_dir, config_class, model_class, seed: int, noise: float = 0.0, **overrides
+):
+    """A random tiny model saved as a Hugging Face directory, with SmolLM2's real tokenizer.
+
+    `noise` > 0 perturbs every weight matrix by that fraction of its spread (seeded apart)."""
     import torch
     from transformers import AutoTokenizer
 
@@ -61,6 +65,10 @@ def _tiny_model_dir(root, smollm2_dir, config_class, model_class, seed: int, **o
         for param in model.parameters():
             if param.dim() == 2:
                 param.mul_(4.0)
+        generator = torch.Generator().manual_seed(seed + 1000)
+        for param in model.parameters():
+            if noise and param.dim() == 2:
+                param.add_(torch.randn(param.shape, generator=generator) * noise * param.std())
     model.save_pretrained(root)
     AutoTokenizer.from_pretrained(smollm2_dir).save_pretrained(root)
     return root
@@ -76,11 +84,11 @@ def tiny_llama_dir(tmp_path_factory, smollm2_dir):
 
 @pytest.fixture(scope="session")
 def tiny_llama_other_dir(tmp_path_factory, smollm2_dir):
-    """An independent random Llama: a draft that often disagrees with tiny_llama_dir."""
+    """tiny_llama_dir's weights plus noise: a draft that often disagrees with it."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     root = tmp_path_factory.mktemp("tiny-llama-other")
-    return _tiny_model_dir(root, smollm2_dir, LlamaConfig, LlamaForCausalLM, seed=1)
+    return _tiny_model_dir(root, smollm2_dir, LlamaConfig, LlamaForCausalLM, seed=0, noise=0.6)
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,41 @@
+"""Helpers shared by the engine and speculation tests (plain functions, not fixtures)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from generation import Engine
+from schemas import BucketGrid, EngineConfig, ModelSpec
+
+SMALL_GRID = BucketGrid(
+    batch_sizes=[1, 2, 4], prompt_lengths=[16, 32], cache_lengths=[64, 96], draft_lengths=[2, 4]
+)
+SENTENCE = "the cat sat on a mat while rain fell over quiet hills and rivers ran to the sea"
+WORDS = SENTENCE.split()
+
+
+def varied_prompts(count: int) -> list[str]:
+    """Prompts of different lengths, so rows finish and refill at different times."""
+    return [" ".join(WORDS[i % 5 : i % 5 + 2 + (3 * i) % 11]) for i in range(count)]
+
+
+def hf_greedy(model_dir, engine: Engine, prompts, max_new_tokens: int) -> list[list[int]]:
+    reference = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    outputs = []
+    for prompt in prompts:
+        ids = engine.encode(prompt)
+        with torch.no_grad():
+            out = reference.generate(
+                torch.tensor([ids]),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            )
+        outputs.append(out[0, len(ids) :].tolist())
+    return outputs
+
+
+def engine_for(model_dir, **overrides) -> Engine:
+    config = dict(target=ModelSpec(path=str(model_dir)), device="cpu", bucket_grid=SMALL_GRID)
+    return Engine.from_config(EngineConfig(**(config | overrides)))

@@ -1,0 +1,143 @@
+"""Engine behaviour on real (tiny random and packaged) models: greedy parity with transformers
+under continuous batching, seeded sampling independent of batch composition, static shapes."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import SMALL_GRID, engine_for, hf_greedy, varied_prompts
+
+from generation import Engine
+from schemas import BucketGrid, EngineConfig, SamplingParams
+
+
+@pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
+def test_greedy_matches_transformers_with_refills(model, request):
+    model_dir = request.getfixturevalue(model)
+    engine = engine_for(model_dir)
+    prompts = varied_prompts(9)  # more than the largest batch bucket (4): rows get refilled
+    params = SamplingParams(max_new_tokens=12)
+    completions = engine.generate(prompts, params)
+    expected = hf_greedy(model_dir, engine, prompts, 12)
+    assert [c.token_ids for c in completions] == expected
+    assert all(c.finish_reason in ("length", "stop") for c in completions)
+    assert engine.stats.prompt_tokens == sum(len(engine.encode(p)) for p in prompts)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_matches_transformers(smollm2_dir, smollm2_spec):
+    engine = Engine.from_config(EngineConfig(target=smollm2_spec, device="cpu"))  # chat needs > 32
+    prompts = [
+        "The capital of France is",
+        [{"role": "user", "content": "Name three colours."}],
+        "Once upon a time",
+        "def fibonacci(n):",
+        "1, 2, 3, 4,",
+        [{"role": "user", "content": "Write one sentence about the sea."}],
+    ]
+    completions = engine.generate(prompts, SamplingParams(max_new_tokens=16))
+    assert [c.token_ids for c in completions] == hf_greedy(smollm2_dir, engine, prompts, 16)
+    assert "Paris" in completions[0].text
+
+
+def test_seeded_sampling_is_independent_of_batch_size(tiny_llama_dir):
+    prompts = varied_prompts(6)
+    params = SamplingParams(max_new_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=7)
+    seeds = [100 + i for i in range(len(prompts))]
+    batched = engine_for(tiny_llama_dir).generate(prompts, params, seeds=seeds)
+    single_grid = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
+    one_by_one = engine_for(tiny_llama_dir, bucket_grid=single_grid).generate(
+        prompts, params, seeds=seeds
+    )
+    assert [c.token_ids for c in batched] == [c.token_ids for c in one_by_one]
+    reseeded = engine_for(tiny_llama_dir).generate(prompts, params, seeds=[s + 1 for s in seeds])
+    assert [c.token_ids for c in reseeded] != [c.token_ids for c in batched]
+
+
+def test_sampling_batch_8(tiny_llama_dir):
+    """Batch 8 vs batch 1 on the default-style grid, the issue's stated sizes."""
+    grid = SMALL_GRID.model_copy(update={"batch_sizes": [1, 8]})
+    prompts = varied_prompts(10)
+    params = SamplingParams(max_new_tokens=8, temperature=1.0, seed=3)
+    at_8 = engine_for(tiny_llama_dir, bucket_grid=grid).generate(prompts, params)
+    at_1 = engine_for(tiny_llama_dir, bucket_grid=grid.model_copy(update={"batch_sizes": [1]}))
+    assert [c.token_ids for c in at_8] == [c.token_ids for c in at_1.generate(prompts, params)]
+
+
+def test_no_new_shape_after_warmup_and_bounded_by_grid(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir)
+    engine.warmup()
+    warmed = set(engine.target.shapes)
+    grid = SMALL_GRID
+    prefill_points = len(grid.batch_sizes) * len(grid.prompt_lengths)
+    decode_points = len(grid.batch_sizes) * len(grid.cache_lengths)
+    assert len(warmed) == prefill_points + decode_points
+    prompts = [*varied_prompts(11), "word " * 20]  # 20 + 50 tokens: the second cache bucket
+    engine.generate(prompts, SamplingParams(max_new_tokens=50, temperature=0.7))
+    assert set(engine.target.shapes) == warmed
+    assert engine.stats.distinct_shapes == len(warmed)
+
+
+def test_too_long_prompt_is_an_error_and_others_go_on(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir)
+    too_long = "word " * 60
+    completions = engine.generate(
+        ["hello there", too_long, "good morning"], SamplingParams(max_new_tokens=4)
+    )
+    assert completions[1].finish_reason == "error"
+    assert "largest prompt bucket (32)" in completions[1].error
+    assert completions[0].finish_reason == completions[2].finish_reason == "length"
+    assert len(completions[0].token_ids) == len(completions[2].token_ids) == 4
+
+
+def test_stop_strings_and_ids_end_a_completion(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir)
+    free = engine.generate(["the cat"], SamplingParams(max_new_tokens=12))[0]
+    stop_token = free.token_ids[3]
+    by_id = engine.generate(
+        ["the cat"], SamplingParams(max_new_tokens=12, stop_token_ids=[stop_token])
+    )[0]
+    assert by_id.finish_reason == "stop"
+    assert by_id.token_ids == free.token_ids[: free.token_ids.index(stop_token) + 1]
+    stop_text = engine.tokenizer.decode(free.token_ids[5:7])
+    by_text = engine.generate(["the cat"], SamplingParams(max_new_tokens=12, stop=[stop_text]))[0]
+    assert by_text.finish_reason == "stop"
+    assert stop_text not in by_text.text
+    assert free.text.startswith(by_text.text)
+
+
+def test_chat_messages_use_the_chat_template(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir)
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = engine.tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True
+    )
+    assert engine.encode(messages) == engine.tokenizer(rendered, add_special_tokens=False).input_ids
+    assert "<|im_start|>assistant" in rendered
+
+
+def test_stats_account_padding_and_phases(tiny_llama_dir):
+    engine = engine_for(tiny_llama_dir)
+    engine.generate(varied_prompts(5), SamplingParams(max_new_tokens=6))
+    stats = engine.stats
+    assert stats.tokens_generated == 30
+    assert 0.0 < stats.padding_waste < 1.0
+    assert stats.prefill_seconds > 0 and stats.decode_seconds > 0
+    assert stats.target_forwards >= 5
+    engine.reset_stats()
+    assert engine.stats.tokens_generated == 0 and engine.stats.target_forwards == 0
+
+
+@pytest.mark.slow
+def test_compiled_runner_counts_compiles_and_matches_eager(tiny_llama_dir):
+    grid = BucketGrid(batch_sizes=[2], prompt_lengths=[16], cache_lengths=[32], draft_lengths=[2])
+    eager = engine_for(tiny_llama_dir, bucket_grid=grid)
+    compiled = engine_for(tiny_llama_dir, bucket_grid=grid, compile=True)
+    params = SamplingParams(max_new_tokens=6)
+    prompts = ["the cat sat", "rain fell"]
+    compiled.warmup()
+    compiles_after_warmup = compiled.stats.compiles
+    assert compiles_after_warmup >= 1
+    assert [c.token_ids for c in compiled.generate(prompts, params)] == [
+        c.token_ids for c in eager.generate(prompts, params)
+    ]
+    assert compiled.stats.compiles == compiles_after_warmup

@@ -1,0 +1,192 @@
+"""Speculative decoding: exact greedy outputs, the target's distribution under sampling,
+per-row acceptance accounting and static shapes while K and acceptance vary."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from engine_helpers import SMALL_GRID, engine_for, hf_greedy, varied_prompts
+from tokenizers import Tokenizer, models
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from schemas import DraftSpec, ModelSpec, SamplingParams
+
+BATCH_1_AND_8 = SMALL_GRID.model_copy(update={"batch_sizes": [1, 8]})
+BATCH_1_ONLY = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
+
+
+def drafts(target_dir, other_dir) -> dict[str, DraftSpec]:
+    return {
+        "independent-model": DraftSpec(kind="model", model=ModelSpec(path=str(other_dir))),
+        "same-model": DraftSpec(kind="model", model=ModelSpec(path=str(target_dir))),
+        "quantized-int8": DraftSpec(kind="quantized", dtype="int8"),
+        "quantized-bf16": DraftSpec(kind="quantized", dtype="bfloat16"),
+        "prompt-lookup": DraftSpec(kind="prompt_lookup", ngram_max=3),
+    }
+
+
+@pytest.mark.parametrize("grid", [BATCH_1_ONLY, BATCH_1_AND_8], ids=["batch1", "batch8"])
+@pytest.mark.parametrize(
+    "draft",
+    ["independent-model", "same-model", "quantized-int8", "quantized-bf16", "prompt-lookup"],
+)
+def test_greedy_speculation_is_token_identical(draft, grid, tiny_llama_dir, tiny_llama_other_dir):
+    prompts = [*varied_prompts(10), "the cat sat on the mat the cat sat on the mat the cat"]
+    params = SamplingParams(max_new_tokens=14)
+    plain = engine_for(tiny_llama_dir, bucket_grid=grid).generate(prompts, params)
+    spec = drafts(tiny_llama_dir, tiny_llama_other_dir)[draft]
+    engine = engine_for(tiny_llama_dir, bucket_grid=grid, draft=spec, num_draft_tokens=4)
+    completions = engine.generate(prompts, params)
+    assert [c.token_ids for c in completions] == [c.token_ids for c in plain]
+    stats = engine.stats
+    assert stats.proposed > 0 and stats.rounds > 0
+    assert stats.proposed == sum(c.proposed for c in completions)
+    assert stats.accepted == sum(c.accepted for c in completions)
+    assert stats.acceptance_rate == stats.accepted / stats.proposed
+    assert stats.mean_accepted_length == 1 + stats.accepted / stats.rounds
+    if draft == "same-model":
+        assert stats.acceptance_rate == 1.0
+    if draft == "independent-model":
+        assert stats.acceptance_rate < 0.5  # ragged: rows keep different numbers of tokens
+        assert len({c.accepted for c in completions}) > 1
+
+
+def test_greedy_speculation_matches_transformers(tiny_llama_dir, tiny_llama_other_dir):
+    prompts = varied_prompts(9)
+    spec = DraftSpec(kind="model", model=ModelSpec(path=str(tiny_llama_other_dir)))
+    engine = engine_for(tiny_llama_dir, draft=spec, num_draft_tokens=2)
+    completions = engine.generate(prompts, SamplingParams(max_new_tokens=10))
+    assert [c.token_ids for c in completions] == hf_greedy(tiny_llama_dir, engine, prompts, 10)
+
+
+def test_per_position_acceptance_is_monotone_and_consistent(tiny_llama_dir):
+    engine = engine_for(
+        tiny_llama_dir, draft=DraftSpec(kind="quantized", dtype="int8"), num_draft_tokens=4
+    )
+    completions = engine.generate(varied_prompts(6), SamplingParams(max_new_tokens=16))
+    stats = engine.stats
+    accepted = stats.accepted_per_position
+    assert len(accepted) == 4 == len(stats.proposed_per_position)
+    assert all(a >= b for a, b in itertools.pairwise(accepted))
+    assert sum(accepted) == stats.accepted
+    for completion in completions:
+        assert sum(completion.accepted_per_position) == completion.accepted
+
+
+def test_no_new_shape_after_warmup_while_k_and_acceptance_vary(
+    tiny_llama_dir, tiny_llama_other_dir
+):
+    spec = DraftSpec(kind="model", model=ModelSpec(path=str(tiny_llama_other_dir)))
+    engine = engine_for(tiny_llama_dir, draft=spec, num_draft_tokens="auto")
+    engine.warmup()
+    target_shapes, draft_shapes = set(engine.target.shapes), set(engine.proposer.runner.shapes)
+    prompts = [*varied_prompts(11), "word " * 20]
+    engine.generate(prompts, SamplingParams(max_new_tokens=40, temperature=0.8, seed=1))
+    for k in SMALL_GRID.draft_lengths:  # force every K, then back to auto
+        engine.chooser.fixed = k
+        engine.generate(prompts[:5], SamplingParams(max_new_tokens=12))
+    engine.chooser.fixed = None
+    engine.generate(prompts, SamplingParams(max_new_tokens=30))
+    assert set(engine.target.shapes) == target_shapes
+    assert set(engine.proposer.runner.shapes) == draft_shapes
+    assert {2, 4} <= set(engine.stats.steps_per_k)
+
+
+def test_draft_with_another_tokenizer_is_refused(tiny_llama_dir, tmp_path):
+    other = tiny_vocab_model(tmp_path / "other", seed=0)
+    with pytest.raises(ValueError, match="must share the target's tokenizer"):
+        engine_for(tiny_llama_dir, draft=DraftSpec(kind="model", model=ModelSpec(path=str(other))))
+
+
+# ---- the distribution test ---------------------------------------------------------------
+VOCAB = 16
+
+
+def tiny_vocab_model(root, seed: int, scale: float = 8.0):
+    """A random 16-token Llama with a word-level tokenizer, saved as an HF directory."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 2:
+                param.mul_(scale)
+    model.save_pretrained(root)
+    words = Tokenizer(models.WordLevel({f"w{i}": i for i in range(VOCAB)}, unk_token="w0"))
+    PreTrainedTokenizerFast(tokenizer_object=words, unk_token="w0").save_pretrained(root)
+    return root
+
+
+def exact_pair_distribution(model_dir, prompt: list[int], temperature: float) -> torch.Tensor:
+    """P(x2, x3) of the target's sampling, marginalised over x1, by enumeration: [16, 16]."""
+    model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+
+    def next_probs(prefixes: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.softmax(model(prefixes).logits[:, -1].double() / temperature, -1)
+
+    base = torch.tensor([prompt])
+    p1 = next_probs(base)[0]  # [16]
+    one = torch.cat([base.expand(VOCAB, -1), torch.arange(VOCAB)[:, None]], 1)
+    p2 = next_probs(one)  # [x1, x2]
+    two = torch.cat(
+        [one.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(VOCAB)[:, None]], 1
+    )
+    p3 = next_probs(two).view(VOCAB, VOCAB, VOCAB)  # [x1, x2, x3]
+    return (p1[:, None, None] * p2[:, :, None] * p3).sum(0)
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Goodness of fit, cells with expected count < 5 pooled into one."""
+    expected = probs.flatten() * counts.sum()
+    observed = counts.flatten().double()
+    small = expected < 5
+    if small.any():
+        expected = torch.cat([expected[~small], expected[small].sum()[None]])
+        observed = torch.cat([observed[~small], observed[small].sum()[None]])
+    statistic = ((observed - expected) ** 2 / expected).sum()
+    dof = len(expected) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2))
+
+
+@pytest.mark.slow
+def test_speculative_sampling_keeps_the_target_distribution(tmp_path):
+    """20,000 seeded samples, speculative vs the exact target distribution; false alarm 1e-3."""
+    target_dir = tiny_vocab_model(tmp_path / "target", seed=11)
+    draft_dir = tiny_vocab_model(tmp_path / "draft", seed=12)
+    prompt, temperature, samples = [3, 5, 7], 1.0, 20_000
+    exact = exact_pair_distribution(target_dir, prompt, temperature)
+    draft_exact = exact_pair_distribution(draft_dir, prompt, temperature)
+    assert 0.5 * (exact - draft_exact).abs().sum() > 0.25  # the draft clearly differs
+
+    grid = SMALL_GRID.model_copy(update={"batch_sizes": [64], "prompt_lengths": [4]})
+    engine = engine_for(
+        target_dir,
+        bucket_grid=grid,
+        num_draft_tokens=2,
+        draft=DraftSpec(kind="model", model=ModelSpec(path=str(draft_dir))),
+    )
+    params = SamplingParams(max_new_tokens=3, temperature=temperature)
+    completions = engine.generate([prompt] * samples, params, seeds=list(range(samples)))
+    counts = torch.zeros(VOCAB, VOCAB)
+    for completion in completions:
+        counts[completion.token_ids[1], completion.token_ids[2]] += 1
+    stats = engine.stats
+    assert 0.1 < stats.acceptance_rate < 0.9  # both acceptance and rejection paths exercised
+    assert stats.accepted_per_position[1] > 0  # bonus tokens after full acceptance happened
+    assert chi_square_p_value(counts, exact) > 1e-3
+    # Power check: the same counts are clearly not the draft's distribution.
+    assert chi_square_p_value(counts, draft_exact) < 1e-9
