@@ -4,8 +4,6 @@
 Both take the config as a dict or a path to a YAML/JSON file (deployment parameters are JSON).
 """
 
-from __future__ import annotations
-
 import time
 from pathlib import Path
 from typing import Any
@@ -27,7 +25,8 @@ from tasks.scheduling import CostBudget, run_bounded
 from tasks.shard import generate_shard, run_layout
 from tasks.storage import filesystem
 
-ConfigSource = dict[str, Any] | str
+ConfigSource = dict[str, Any] | str  # flows are built without postponed annotations, so Prefect
+# can build their parameter models when loaded from an entrypoint by a worker
 
 
 @task(name="plan-run", cache_policy=NO_CACHE)

@@ -175,3 +175,23 @@ def test_smollm2_end_to_end(tmp_path, smollm2_spec):
                          ["malformed_json", "missing_field", "wrong_type"], summary)
     texts = data.column("completion").to_pylist()
     assert all(sum(c.isalpha() for c in text) >= 8 for text in texts), texts
+
+
+def test_s3_credentials_from_a_prefect_secret_block(s3_bucket, monkeypatch):
+    """Keys held in a Prefect Secret block reach s3fs without touching config or environment."""
+    from prefect.blocks.system import Secret
+
+    from schemas.run import StorageSpec
+    from tasks.storage import filesystem
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID", raising=False)
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+    Secret(value={"key": "block-key", "secret": "block-secret"}).save("s3-test", overwrite=True)
+    storage = StorageSpec(endpoint_url=s3_bucket["endpoint_url"], prefect_secret_block="s3-test")
+    fs, path = filesystem("s3://corpus-test/x", storage)
+    assert (fs.key, fs.secret, path) == ("block-key", "block-secret", "corpus-test/x")
+    fs.pipe_file(f"{path}/probe", b"ok")
+    assert fs.cat_file(f"{path}/probe") == b"ok"
+    Secret(value="not-a-mapping").save("s3-bad", overwrite=True)
+    with pytest.raises(ValueError, match=r'must hold \{"key"'):
+        filesystem("s3://corpus-test/x", StorageSpec(prefect_secret_block="s3-bad"))
