@@ -5,6 +5,7 @@ Both take the config as a dict or a path to a YAML/JSON file (deployment paramet
 """
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 from uuid import UUID
@@ -15,6 +16,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.deployments import run_deployment
 from prefect.futures import PrefectFuture, as_completed
 from prefect.logging import get_run_logger
+from prefect.tasks import exponential_backoff
 
 from schemas.run import RunConfig, parse_run_config
 from tasks.commit import committed_shard_ids, read_manifest, sweep_losing_attempts
@@ -48,7 +50,9 @@ def ensure_accelerator_limit(config: RunConfig) -> None:
 
 def shard_task(config: RunConfig):
     return generate_shard.with_options(
-        retries=config.shard_retries, timeout_seconds=config.shard_timeout_seconds
+        retries=config.shard_retries,
+        retry_delay_seconds=exponential_backoff(backoff_factor=2)(config.shard_retries),
+        timeout_seconds=config.shard_timeout_seconds,
     )
 
 
@@ -182,7 +186,7 @@ def generate_shards(config: ConfigSource, shard_ids: list[str]) -> list[dict[str
               if not state.is_completed()]
     if failed:
         raise RuntimeError(f"shards failed after retries: {failed}")
-    return [state.result().__dict__ for state in states]
+    return [asdict(state.result()) for state in states]
 
 
 def load_config(config: ConfigSource | RunConfig) -> RunConfig:

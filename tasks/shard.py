@@ -17,7 +17,6 @@ from typing import Any
 import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from prefect.tasks import exponential_backoff
 
 from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
 from schemas.run import RunConfig
@@ -167,7 +166,7 @@ def process_shard(
     return ShardOutcome(shard.shard_id, "lost", {k: winner[k] for k in SUMMARY_FIELDS})
 
 
-def _is_io_error(task, task_run, state) -> bool:
+def is_io_error(task, task_run, state) -> bool:
     """Retry storage hiccups, not bad data or engine bugs."""
     try:
         state.result()
@@ -181,8 +180,7 @@ def _is_io_error(task, task_run, state) -> bool:
 @task(
     name="generate-shard",
     cache_policy=NO_CACHE,
-    retry_delay_seconds=exponential_backoff(backoff_factor=2),
-    retry_condition_fn=_is_io_error,
+    retry_condition_fn=is_io_error,
 )
 def generate_shard(config: RunConfig, run_date: str, shard: Shard) -> ShardOutcome:
     """One Prefect task per shard, holding one slot of the global accelerator limit."""

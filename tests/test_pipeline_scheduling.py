@@ -56,3 +56,21 @@ def test_batches_count_as_their_size():
         on_done=lambda h, b: [budget.record(1.0) for _ in b], slots=1, budget=budget, size=len,
     )
     assert left == [[4, 5, 6]]  # $1 + 3 x $1 = $4 done; 3 more would make $7
+
+
+def test_shard_tasks_retry_io_errors_with_backoff_and_nothing_else():
+    from prefect.states import Failed
+
+    from flows.generate import shard_task
+    from schemas import parse_run_config
+    from tasks.shard import is_io_error
+
+    config = parse_run_config({
+        "input": {"uri": "x.jsonl", "prompt_field": "p"},
+        "generation": {"engine": {"target": {"path": "x"}}},
+        "output": "out", "shard_retries": 3, "shard_timeout_seconds": 60,
+    })
+    task = shard_task(config)
+    assert (task.retries, task.retry_delay_seconds, task.timeout_seconds) == (3, [2, 4, 8], 60)
+    assert is_io_error(None, None, Failed(data=ConnectionResetError("s3 went away")))
+    assert not is_io_error(None, None, Failed(data=ValueError("bad data")))
