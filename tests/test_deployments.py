@@ -6,6 +6,7 @@ server with the real engine on a tiny model. Every process started here is stopp
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -34,6 +35,7 @@ from prefect.client.schemas.filters import (
 )
 
 from schemas import parse_run_config
+from tasks.job_templates import PROCESS_TEMPLATE, load_template, render_job_configuration
 
 pytestmark = pytest.mark.slow
 
@@ -261,6 +263,28 @@ def test_deploy_creates_what_the_yaml_declares(stack: PrefectStack) -> None:
     # One worker per card, each pinned with the HABANA_VISIBLE_MODULES its flow runs inherit.
     card_workers = psutil.Process(stack.processes["cards"].pid).children()
     assert sorted(w.environ()["HABANA_VISIBLE_MODULES"] for w in card_workers) == ["0", "1"]
+
+
+@pytest.mark.parametrize(
+    "job_variables", [{}, {"habana_visible_modules": "0,1", "env": {"CORPUSGEN_X": "1"}}]
+)
+def test_process_template_renders_as_prefects_process_worker_does(
+    stack: PrefectStack, job_variables: dict
+) -> None:
+    """tasks/job_templates.py mirrors Prefect; check it against the worker's own code path."""
+    from prefect.client.orchestration import PrefectClient
+    from prefect.workers.process import ProcessJobConfiguration
+
+    template = load_template(PROCESS_TEMPLATE)
+
+    async def prefects_rendering() -> ProcessJobConfiguration:
+        async with PrefectClient(api=stack.api_url) as api:
+            return await ProcessJobConfiguration.from_template_and_values(
+                template, job_variables, client=api
+            )
+
+    ours = render_job_configuration(template, job_variables)
+    assert asyncio.run(prefects_rendering()).env == ours["env"]
 
 
 def test_trigger_rejects_a_bad_config_before_queueing_anything(tmp_path) -> None:
