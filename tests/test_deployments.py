@@ -404,6 +404,33 @@ def test_two_workers_racing_on_the_same_shards_commit_each_once(
     assert not fs.glob(f"{root}/_attempts/**/*.parquet")
 
 
+def test_nightly_runs_from_a_git_checkout(
+    stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
+) -> None:
+    """The git pull variant: the flow run clones the repository and runs the flow from there."""
+    write_jsonl(tmp_path / "in.jsonl", good_rows(8))
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint["endpoint_url"])
+    fs.put(str(tmp_path / "in.jsonl"), "corpus-test/git/in.jsonl")
+    config = run_config(
+        "s3://corpus-test/git/in.jsonl",
+        "s3://corpus-test/git/out",
+        tiny_engine(tiny_llama_dir),
+        storage={"endpoint_url": s3_endpoint["endpoint_url"]},
+    )
+    with client(stack) as api:
+        deployment = api.read_deployment_by_name("generate-corpus/nightly")
+        run = api.create_flow_run_from_deployment(deployment.id, parameters={"config": config})
+        deadline = time.monotonic() + 180
+        while not run.state.is_final():
+            assert time.monotonic() < deadline, run.state
+            time.sleep(1)
+            run = api.read_flow_run(run.id)
+    logs = flow_run_log_text(stack, str(run.id))
+    assert run.state.is_completed(), logs
+    assert "git_clone" in logs and "generate-corpus" in logs
+    assert len(fs.glob("corpus-test/git/out/manifests/*.json")) == 1
+
+
 def test_broken_input_uri_fails_the_watch_and_the_logs_say_why(
     stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
