@@ -32,12 +32,17 @@ def _commands() -> None:
     """Keeps `corpusgen <command>` a command group even while only one command is registered."""
 
 
+def _fail(error: Exception) -> typer.Exit:
+    """Print a config/input error unwrapped (paths stay greppable) and exit with status 2."""
+    console.print(str(error), style="red", soft_wrap=True, markup=False)
+    return typer.Exit(2)
+
+
 def _load(source: Path | dict[str, Any], overrides: list[str]) -> RunConfig:
     try:
         return parse_run_config(source, overrides)
     except ConfigError as error:
-        console.print(f"[red]{error}[/red]")
-        raise typer.Exit(2) from None
+        raise _fail(error) from None
 
 
 def _watch_progress(config: RunConfig, stop: threading.Event) -> None:
@@ -94,16 +99,17 @@ class _DropThreadTimeoutNotice(logging.Filter):
 
 def _generate(config: RunConfig) -> None:
     from flows.generate import generate_corpus
-    from tasks.planning import InputError
+    from tasks.planning import InputError, list_input_files
+    from tasks.storage import filesystem
 
     logging.getLogger("prefect.task_runs").addFilter(_DropThreadTimeoutNotice())
     try:
+        list_input_files(*filesystem(config.input.uri, config.storage))  # before Prefect starts
         summary = _run_with_progress(
             config, lambda: generate_corpus(config.model_dump(mode="json"))
         )
     except InputError as error:
-        console.print(f"[red]{error}[/red]")
-        raise typer.Exit(2) from None
+        raise _fail(error) from None
     _print_summary(summary)
 
 
@@ -124,8 +130,7 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
     try:
         shards = plan_shards(input_fs, run_config, input_path)
     except InputError as error:
-        console.print(f"[red]{error}[/red]")
-        raise typer.Exit(2) from None
+        raise _fail(error) from None
     grid = run_config.generation.engine.bucket_grid
     table = Table(title=f"run {run_config.resolved_run_id()}: {len(shards)} shards")
     for column in ("shard_id", "source", "format", "range", "est. rows", "batches"):
