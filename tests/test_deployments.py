@@ -37,8 +37,6 @@ from prefect.client.schemas.filters import (
 from schemas import parse_run_config
 from tasks.job_templates import PROCESS_TEMPLATE, load_template, render_job_configuration
 
-pytestmark = pytest.mark.slow
-
 REPO = Path(__file__).resolve().parent.parent
 PREFECT_YAML = REPO / "deployments" / "prefect.yaml"
 TRIGGER = REPO / "deployments" / "ci" / "trigger.sh"
@@ -238,6 +236,7 @@ def s3_config(s3_endpoint, tiny_llama_dir, input_uri: str, output: str) -> dict:
     )
 
 
+@pytest.mark.slow
 def test_deploy_creates_what_the_yaml_declares(stack: PrefectStack) -> None:
     declared = yaml.safe_load(PREFECT_YAML.read_text())["deployments"]
     with client(stack) as api:
@@ -265,6 +264,7 @@ def test_deploy_creates_what_the_yaml_declares(stack: PrefectStack) -> None:
     assert sorted(w.environ()["HABANA_VISIBLE_MODULES"] for w in card_workers) == ["0", "1"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "job_variables", [{}, {"habana_visible_modules": "0,1", "env": {"CORPUSGEN_X": "1"}}]
 )
@@ -303,6 +303,7 @@ def test_trigger_rejects_a_bad_config_before_queueing_anything(tmp_path) -> None
     assert "prefect" not in result.stdout.lower()
 
 
+@pytest.mark.slow
 def test_ci_run_spreads_shards_over_both_workers_exactly_once(
     stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
@@ -360,6 +361,7 @@ def test_ci_run_spreads_shards_over_both_workers_exactly_once(
     assert parse_run_config(parent.parameters["config"]).storage.endpoint_url
 
 
+@pytest.mark.slow
 def test_two_workers_racing_on_the_same_shards_commit_each_once(
     stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
@@ -404,6 +406,7 @@ def test_two_workers_racing_on_the_same_shards_commit_each_once(
     assert not fs.glob(f"{root}/_attempts/**/*.parquet")
 
 
+@pytest.mark.slow
 def test_nightly_runs_from_a_git_checkout(
     stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
@@ -431,6 +434,7 @@ def test_nightly_runs_from_a_git_checkout(
     assert len(fs.glob("corpus-test/git/out/manifests/*.json")) == 1
 
 
+@pytest.mark.slow
 def test_broken_input_uri_fails_the_watch_and_the_logs_say_why(
     stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
