@@ -7,6 +7,7 @@ finished row's slot is refilled with the next waiting prompt so the batch stays 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -129,6 +130,8 @@ class Engine:
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
         device = resolve_device(config.device)
+        if device.type == "cpu" and config.cpu_threads:
+            torch.set_num_threads(config.cpu_threads)
         grid = config.bucket_grid
         target = load_model(config.target, grid.max_cache, device)
         draft_spec, draft, proposer = config.draft, None, None
@@ -227,7 +230,7 @@ class Engine:
         }
 
     def warmup(self) -> None:
-        """Run every grid shape twice (the second run gives steady-state timings for K auto)."""
+        """Run every grid shape: prefills once, decodes twice (steady timings choose K)."""
         grid = self.grid
         verify_lengths = [k + 1 for k in grid.draft_lengths] if self.proposer else []
         runners = [(self.target, [1, *verify_lengths])]
@@ -235,14 +238,11 @@ class Engine:
             widths = [2] if self.chooser.fixed else CATCH_UP_WIDTHS
             runners.append((self._draft_runner, sorted({1, *widths})))
         for runner, lengths in runners:
-            for _ in range(2):
-                for b in grid.batch_sizes:
-                    for t in grid.prompt_lengths:
-                        runner.prefill([[0] * t] * b, list(range(b)))
-                    for t in lengths:
-                        for s in grid.cache_lengths:
-                            tokens = torch.zeros(b, t, dtype=torch.long)
-                            runner.decode(tokens, torch.full((b,), s - t), b)
+            for b in grid.batch_sizes:
+                for t in grid.prompt_lengths:
+                    runner.prefill([[0] * t] * b, list(range(b)))
+                for t, s, _ in itertools.product(lengths, grid.cache_lengths, range(2)):
+                    runner.decode(torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t), b)
         self.reset_stats()
 
     # ---- generation ------------------------------------------------------------------------

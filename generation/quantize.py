@@ -45,8 +45,13 @@ def quantized_copy(model: CausalLM, dtype: str) -> CausalLM:
         return draft.to_dtype(torch.bfloat16)
     if draft.config.tie_word_embeddings:  # untie: the head is quantized, the embedding is not
         draft.lm_head.weight = nn.Parameter(draft.lm_head.weight.detach().clone())
-    for module in list(draft.modules()):
+    return int8_weight_only(draft)
+
+
+def int8_weight_only(model: nn.Module) -> nn.Module:
+    """Swap every nn.Linear for Int8WeightOnlyLinear, in place (any causal LM, ours or HF's)."""
+    for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(module, name, Int8WeightOnlyLinear(child))
-    return draft
+    return model

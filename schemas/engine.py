@@ -117,6 +117,12 @@ class EngineConfig(_Strict):
     bucket_grid: BucketGrid = BucketGrid()
     compile: bool = Field(False, description="torch.compile(dynamic=False) on cpu/cuda")
     hpu_graphs: bool = Field(True, description="wrap_in_hpu_graph on Gaudi")
+    cpu_threads: int | None = Field(
+        None,
+        ge=1,
+        description="torch intra-op threads on cpu; on a shared host 1 avoids waiting for a busy "
+        "core in every parallel region. None keeps torch's default",
+    )
 
     @model_validator(mode="after")
     def _k_on_grid(self) -> EngineConfig:

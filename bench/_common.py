@@ -1,0 +1,113 @@
+"""Shared by the benchmarks: prompt sets, side-by-side timing with medians, HF baselines.
+
+Runs are interleaved (every contender once per repetition) so drift on this shared, noisy
+machine hits all contenders alike; each figure is the median over repetitions.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from generation.loading import resolve_model_dir
+from schemas import ModelSpec
+
+SMOLLM2 = ModelSpec(path="packaged:smollm2-135m-instruct")
+
+STORY_TOPICS = [
+    "a lighthouse keeper who finds a message in a bottle",
+    "a robot learning to paint",
+    "two friends lost in a night market",
+    "a dragon who is afraid of heights",
+    "a detective cat solving a mystery in a library",
+    "the last tree on a space station",
+    "a baker who can taste memories",
+    "a girl who befriends a thunderstorm",
+]
+FREE_TEXT = [[{"role": "user", "content": f"Write a short story about {t}."}] for t in STORY_TOPICS]
+
+PARAGRAPHS = [
+    "The city council met on Tuesday evening to discuss the new public library. Residents asked "
+    "for longer opening hours, more study rooms and a larger children's section. The council "
+    "agreed to publish a revised plan before the end of the month.",
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon "
+    "dioxide and water. It takes place mainly in the leaves, inside small structures called "
+    "chloroplasts, and it releases oxygen into the air as a by-product.",
+    "Our team shipped the new release on Friday. It fixes the login timeout, speeds up the search "
+    "page by a third and adds an export button to every report. Please update before Monday so "
+    "that the old servers can be switched off.",
+    "The river rises every spring when the snow melts in the mountains. Farmers along its banks "
+    "plant late, after the water has gone down, and the rich soil it leaves behind gives them "
+    "some of the best harvests in the region.",
+]
+COPY_HEAVY = [
+    [{"role": "user", "content": f"Rewrite the following paragraph, keeping its wording:\n\n{p}"}]
+    for p in PARAGRAPHS * 2
+]
+PROMPT_SETS = {"free_text": FREE_TEXT, "copy": COPY_HEAVY}
+
+
+def median_seconds(runs: list[float]) -> float:
+    return statistics.median(runs)
+
+
+def timed(fn: Callable[[], object]) -> tuple[float, object]:
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+def load_hf_smollm2():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = resolve_model_dir(SMOLLM2)
+    model = AutoModelForCausalLM.from_pretrained(directory).eval()
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    return model, tokenizer
+
+
+def hf_generate(
+    model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, **kwargs
+) -> int:
+    """transformers' generate, greedy, left-padded batch; returns tokens generated up to EOS."""
+    width = max(len(p) for p in prompt_ids)
+    pad = tokenizer.eos_token_id
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompt_ids])
+    with torch.inference_mode():
+        out = model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+            **kwargs,
+        )
+    generated = 0
+    for row in out[:, width:].tolist():
+        generated += row.index(pad) + 1 if pad in row else len(row)
+    return generated
+
+
+def copy_bandwidth_bytes_per_second(megabytes: int = 256, repeats: int = 5) -> float:
+    """STREAM-style copy: bytes read + written per second, median of `repeats`."""
+    source = torch.empty(megabytes * 2**20 // 4, dtype=torch.float32).uniform_()
+    target = torch.empty_like(source)
+    runs = []
+    for _ in range(repeats):
+        seconds, _ = timed(lambda: target.copy_(source))
+        runs.append(2 * source.numel() * 4 / seconds)
+    return statistics.median(runs)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of distinct parameters: what one decoding forward reads (tied weights once)."""
+    seen, total = set(), 0
+    for param in model.parameters():
+        if param.data_ptr() not in seen:
+            seen.add(param.data_ptr())
+            total += param.numel() * param.element_size()
+    return total

@@ -1,0 +1,99 @@
+"""Plain decoding: corpusgen's engine vs transformers' generate on the packaged SmolLM2.
+
+Greedy, 64 new tokens, batch 1 and 8, medians of interleaved repetitions, all in one run.
+Prints JSON. Usage: python bench/engine.py [--repeats 3] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from _common import (
+    FREE_TEXT,
+    SMOLLM2,
+    copy_bandwidth_bytes_per_second,
+    hf_generate,
+    load_hf_smollm2,
+    timed,
+    weight_bytes,
+)
+
+from generation import Engine
+from schemas import EngineConfig, SamplingParams
+
+MAX_NEW_TOKENS = 64
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, same for both")
+    args = parser.parse_args()
+
+    engine = Engine.from_config(
+        EngineConfig(target=SMOLLM2, device="cpu", cpu_threads=args.threads)
+    )
+    torch.set_num_threads(args.threads)
+    engine.warmup()
+    hf_model, tokenizer = load_hf_smollm2()
+    params = SamplingParams(max_new_tokens=MAX_NEW_TOKENS)
+    prompt_ids = [engine.encode(p) for p in FREE_TEXT]
+    batches = {1: prompt_ids[:1], 8: prompt_ids[:8]}
+    hf_generate(hf_model, tokenizer, batches[1], 4)  # HF warm-up
+
+    runs: dict[str, list[float]] = {}
+    decode_rates: list[float] = []
+    for _ in range(args.repeats):
+        for b, prompts in batches.items():
+            engine.reset_stats()
+            seconds, completions = timed(lambda p=prompts: engine.generate(p, params))
+            runs.setdefault(f"engine_b{b}", []).append(
+                sum(len(c.token_ids) for c in completions) / seconds
+            )
+            if b == 1:
+                stats = engine.stats
+                decode_rates.append((stats.target_forwards - 1) / stats.decode_seconds)
+            seconds, tokens = timed(
+                lambda p=prompts: hf_generate(hf_model, tokenizer, p, MAX_NEW_TOKENS)
+            )
+            runs.setdefault(f"hf_b{b}", []).append(tokens / seconds)
+
+    tps = {name: statistics.median(values) for name, values in runs.items()}
+    bandwidth = copy_bandwidth_bytes_per_second()
+    weights = weight_bytes(engine.target.model)
+    achieved = weights * statistics.median(decode_rates)
+    print(
+        json.dumps(
+            {
+                "model": SMOLLM2.path,
+                "max_new_tokens": MAX_NEW_TOKENS,
+                "repeats": args.repeats,
+                "torch_threads": args.threads,
+                "tokens_per_second": {k: round(v, 2) for k, v in tps.items()},
+                "engine_vs_hf": {
+                    "batch_1": round(tps["engine_b1"] / tps["hf_b1"], 3),
+                    "batch_8": round(tps["engine_b8"] / tps["hf_b8"], 3),
+                },
+                "bandwidth": {
+                    "weight_bytes": weights,
+                    "decode_forwards_per_second_b1": round(statistics.median(decode_rates), 2),
+                    "achieved_bytes_per_second": round(achieved),
+                    "copy_bytes_per_second": round(bandwidth),
+                    "fraction_of_copy_bandwidth": round(achieved / bandwidth, 3),
+                },
+                "goals": {
+                    "b1_vs_hf": ">= 1.0",
+                    "b8_vs_hf": ">= 1.5",
+                    "bandwidth_fraction_b1": ">= 0.6",
+                },
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

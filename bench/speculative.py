@@ -1,0 +1,131 @@
+"""Speculative decoding on the packaged SmolLM2: which draft pays, at batch 1 and 8.
+
+Greedy, free-text and copy-heavy prompt sets, medians of interleaved repetitions, one run.
+Engine: draft=None, int8 and bf16 quantized drafts, prompt lookup (K auto unless named), plus
+int8 at fixed K=4. transformers at batch 1 (its assisted generation refuses batch > 1): plain,
+assisted with the same int8 draft, prompt lookup. Prints JSON.
+Usage: python bench/speculative.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+
+import torch
+from _common import PROMPT_SETS, SMOLLM2, hf_generate, load_hf_smollm2, timed
+
+from generation import Engine
+from generation.quantize import int8_weight_only
+from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams
+
+GRID = BucketGrid(
+    batch_sizes=[1, 8], prompt_lengths=[64, 128], cache_lengths=[256], draft_lengths=[2, 4, 6]
+)
+ENGINES = {
+    "plain": dict(draft=None),
+    "int8_auto": dict(draft=DraftSpec(kind="quantized", dtype="int8")),
+    "int8_k4": dict(draft=DraftSpec(kind="quantized", dtype="int8"), num_draft_tokens=4),
+    "bf16_auto": dict(draft=DraftSpec(kind="quantized", dtype="bfloat16")),
+    "prompt_lookup_auto": dict(draft=DraftSpec(kind="prompt_lookup", ngram_max=3)),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+
+    engines = {}
+    for name, overrides in ENGINES.items():
+        config = EngineConfig(
+            target=SMOLLM2, device="cpu", bucket_grid=GRID, cpu_threads=args.threads, **overrides
+        )
+        engines[name] = Engine.from_config(config)
+        engines[name].warmup()
+    hf_model, tokenizer = load_hf_smollm2()
+    hf_draft = int8_weight_only(copy.deepcopy(hf_model))
+    baselines = {
+        "hf_plain": {},
+        "hf_assisted_int8": {"assistant_model": hf_draft},
+        "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4},
+    }
+
+    rates: dict[str, list[float]] = {}
+    acceptance: dict[str, dict] = {}
+    outputs: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for set_name, prompts in PROMPT_SETS.items():
+            for b in (1, 8):
+                batch = prompts[:b]
+                for name, engine in engines.items():
+                    engine.reset_stats()
+                    seconds, done = timed(lambda e=engine, p=batch: e.generate(p, params))
+                    key = f"{set_name}/b{b}/{name}"
+                    rates.setdefault(key, []).append(sum(len(c.token_ids) for c in done) / seconds)
+                    stats = engine.stats
+                    acceptance[key] = {
+                        "acceptance_rate": round(stats.acceptance_rate, 3),
+                        "mean_accepted_length": round(stats.mean_accepted_length, 3),
+                        "steps_per_k": stats.steps_per_k,
+                    }
+                    outputs.setdefault(f"{set_name}/b{b}", []).append([c.token_ids for c in done])
+            ids = [engines["plain"].encode(prompts[0])]
+            for name, kwargs in baselines.items():
+                seconds, tokens = timed(
+                    lambda k=kwargs, i=ids: hf_generate(
+                        hf_model, tokenizer, i, args.max_new_tokens, **k
+                    )
+                )
+                rates.setdefault(f"{set_name}/b1/{name}", []).append(tokens / seconds)
+
+    tps = {key: round(statistics.median(values), 2) for key, values in rates.items()}
+    ratios = {}
+    for set_name in PROMPT_SETS:
+        for b in (1, 8):
+            plain = tps[f"{set_name}/b{b}/plain"]
+            for name in ENGINES:
+                if name != "plain":
+                    ratios[f"{set_name}/b{b}/{name}_vs_plain"] = round(
+                        tps[f"{set_name}/b{b}/{name}"] / plain, 3
+                    )
+        ratios[f"{set_name}/b1/int8_auto_vs_hf_assisted_int8"] = round(
+            tps[f"{set_name}/b1/int8_auto"] / tps[f"{set_name}/b1/hf_assisted_int8"], 3
+        )
+        ratios[f"{set_name}/b1/plain_vs_hf_plain"] = round(
+            tps[f"{set_name}/b1/plain"] / tps[f"{set_name}/b1/hf_plain"], 3
+        )
+    identical = all(
+        all(run == runs[0] for run in runs) for runs in outputs.values()
+    )  # greedy: every engine config produced the same tokens
+    print(
+        json.dumps(
+            {
+                "model": SMOLLM2.path,
+                "max_new_tokens": args.max_new_tokens,
+                "repeats": args.repeats,
+                "torch_threads": args.threads,
+                "all_engine_outputs_identical_to_plain": identical,
+                "tokens_per_second": tps,
+                "ratios": ratios,
+                "acceptance": acceptance,
+                "goals": {
+                    "free_text/b1 speculative vs plain": ">= 1.3",
+                    "copy/b1 speculative vs plain": ">= 1.8",
+                    "b1 vs HF assisted, same draft": ">= 1.5",
+                    "b8 K auto vs plain": ">= 0.97",
+                },
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
