@@ -18,7 +18,7 @@ import torch
 from _common import PROMPT_SETS, SMOLLM2, hf_generate, load_hf_smollm2, timed
 
 from generation import Engine
-from generation.quantize import int8_weight_only
+from generation.quantize import int8_linears
 from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams
 
 GRID = BucketGrid(
@@ -50,7 +50,7 @@ def main() -> None:
         engines[name] = Engine.from_config(config)
         engines[name].warmup()
     hf_model, tokenizer = load_hf_smollm2()
-    hf_draft = int8_weight_only(copy.deepcopy(hf_model))
+    hf_draft = int8_linears(copy.deepcopy(hf_model))
     baselines = {
         "hf_plain": {},
         "hf_assisted_int8": {"assistant_model": hf_draft},

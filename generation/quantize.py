@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -11,47 +12,59 @@ from torch import nn
 from generation.model import CausalLM
 
 
-class Int8WeightOnlyLinear(nn.Module):
-    """Per-output-channel symmetric int8 weights; activations stay in bf16.
+def _fbgemm_available() -> bool:
+    return any(engine in ("fbgemm", "x86") for engine in torch.backends.quantized.supported_engines)
 
-    Decoding is memory-bound, so reading a quarter of the fp32 bytes is what makes the draft
-    fast; on CPU `_weight_int8pack_mm` does the int8 x bf16 product without materialising weights.
+
+class Int8Linear(nn.Module):
+    """Per-output-channel symmetric int8 weights (a quarter of the fp32 bytes).
+
+    On x86 CPUs the product runs in fbgemm's int8 kernel with activations quantized per call
+    (dynamic W8A8): measured here 4x faster than fp32 at 8 rows and 5-10x on the LM head, where
+    the weight-only int8 x bf16 kernel is a GEMV that loses at batch > 1. Elsewhere the weights
+    are dequantized per call. Drafts only: the target stays exact, the verifier guarantees it.
     """
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()
         scales = weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0
-        self.register_buffer(
-            "weight", (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
-        )
-        self.register_buffer("scales", scales.to(torch.bfloat16))
+        quantized = (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        self.register_buffer("weight", quantized)
+        self.register_buffer("scales", scales)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
+        self.packed = None
+        if weight.device.type == "cpu" and _fbgemm_available():
+            with warnings.catch_warnings():  # quantized tensors are deprecated, their kernels not
+                warnings.simplefilter("ignore")
+                zero = torch.zeros(len(scales), dtype=torch.long)
+                per_channel = torch._make_per_channel_quantized_tensor(
+                    quantized, scales.double(), zero, 0
+                )
+                self.packed = torch.ops.quantized.linear_prepack(per_channel, self.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
-        if flat.device.type == "cpu":
-            out = torch._weight_int8pack_mm(flat, self.weight, self.scales)
-        else:
-            out = F.linear(flat, self.weight.to(flat.dtype) * self.scales[:, None])
-        out = out.to(x.dtype).reshape(*x.shape[:-1], -1)
-        return out if self.bias is None else out + self.bias
+        if self.packed is not None and x.device.type == "cpu":
+            flat = x.reshape(-1, x.shape[-1]).float()
+            out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
+            return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+        return F.linear(x, self.weight.to(x.dtype) * self.scales[:, None].to(x.dtype), self.bias)
 
 
 def quantized_copy(model: CausalLM, dtype: str) -> CausalLM:
-    """The target at int8 (weight-only) or bf16, as a separate module with its own cache."""
+    """The target at int8 or bf16, as a separate module with its own cache."""
     draft = copy.deepcopy(model)
     if dtype == "bfloat16":
         return draft.to_dtype(torch.bfloat16)
     if draft.config.tie_word_embeddings:  # untie: the head is quantized, the embedding is not
         draft.lm_head.weight = nn.Parameter(draft.lm_head.weight.detach().clone())
-    return int8_weight_only(draft)
+    return int8_linears(draft)
 
 
-def int8_weight_only(model: nn.Module) -> nn.Module:
-    """Swap every nn.Linear for Int8WeightOnlyLinear, in place (any causal LM, ours or HF's)."""
+def int8_linears(model: nn.Module) -> nn.Module:
+    """Swap every nn.Linear for Int8Linear, in place (any causal LM, ours or HF's)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(module, name, Int8WeightOnlyLinear(child))
+                setattr(module, name, Int8Linear(child))
     return model

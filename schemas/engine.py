@@ -48,7 +48,7 @@ class DraftSpec(_Strict):
 
     kind: Literal["model", "quantized", "prompt_lookup"]
     model: ModelSpec | None = None
-    dtype: Literal["int8", "bfloat16"] = "int8"
+    dtype: Literal["int8", "bfloat16"] = Field("int8", description="int8: W8A8 dynamic on x86")
     ngram_max: int = Field(3, ge=1, le=8)
     ngram_min: int = Field(1, ge=1, le=8)
 
