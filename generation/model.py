@@ -82,11 +82,12 @@ class DecoderConfig:
 
 
 def rope_inverse_frequencies(config: DecoderConfig) -> torch.Tensor:
+    """In float32, as transformers computes them: the same rounding gives the same logits."""
     dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2).float() / dim))
     scaling = config.rope_scaling
     if scaling is None:
-        return inv_freq.float()
+        return inv_freq
     # Llama 3.1 frequency scaling: long wavelengths slowed by `factor`, smooth in between.
     factor = scaling["factor"]
     low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
