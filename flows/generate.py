@@ -27,8 +27,9 @@ from tasks.scheduling import CostBudget, run_bounded
 from tasks.shard import generate_shard, run_layout
 from tasks.storage import filesystem
 
-ConfigSource = dict[str, Any] | str  # flows are built without postponed annotations, so Prefect
-# can build their parameter models when loaded from an entrypoint by a worker
+# No postponed annotations in this module: Prefect builds the flows' parameter models from these
+# types when a worker loads the flows by entrypoint.
+ConfigSource = dict[str, Any] | str
 
 
 @task(name="plan-run", cache_policy=NO_CACHE)

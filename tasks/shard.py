@@ -40,7 +40,6 @@ class ShardOutcome:
     shard_id: str
     status: str  # "committed" | "skipped" (already committed) | "lost" (another attempt won)
     summary: dict[str, Any]  # SUMMARY_FIELDS of the committed attempt
-    generate_seconds: float = 0.0  # time inside Engine.generate (for the overhead bench)
 
 
 def run_layout(config: RunConfig) -> RunLayout:
@@ -107,13 +106,11 @@ def process_shard(
     with slot or nullcontext(), leased_engine(generation.engine, generation.warmup) as engine:
         records, too_long = _drop_too_long(engine, records)
         engine.reset_stats()
-        generate_started = time.perf_counter()
         completions = (
             engine.generate([r.prompt for r in records], generation.sampling,
                             [r.seed for r in records])
             if records else []
         )
-        generate_seconds = time.perf_counter() - generate_started
         stats, model_info, draft_kind = engine.stats.as_dict(), engine.model_info, engine.draft_kind
     from generation import ENGINE_VERSION
 
@@ -161,7 +158,7 @@ def process_shard(
               "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
     summary = {k: metrics[k] for k in SUMMARY_FIELDS}
     if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
-        return ShardOutcome(shard.shard_id, "committed", summary, generate_seconds)
+        return ShardOutcome(shard.shard_id, "committed", summary)
     winner = read_manifest(layout, shard.shard_id)
     return ShardOutcome(shard.shard_id, "lost", {k: winner[k] for k in SUMMARY_FIELDS})
 

@@ -23,6 +23,7 @@ from pipeline_fixtures import (
 
 from flows.generate import generate_corpus, generate_shards
 from schemas import ConfigError, parse_run_config
+from tasks.engine_cache import loaded_engine_count
 from tasks.layout import RunLayout
 from tasks.planning import InputError
 
@@ -68,7 +69,9 @@ def test_local_run_then_rerun_skips_committed_shards(tmp_path, tiny_llama_dir):
     valid_ids, reasons = make_input(tmp_path / "in")
     config = run_config(str(tmp_path / "in"), str(tmp_path / "out"), tiny_engine(tiny_llama_dir),
                         accelerator_slots=2)
+    engines_before = loaded_engine_count()
     summary = generate_corpus(config)
+    assert loaded_engine_count() - engines_before <= 1  # one engine for all shards
     fs = fsspec.filesystem("file")
     data = check_outputs(fs, str(tmp_path / "out"), valid_ids, reasons, summary)
     assert summary["stopped_on_budget"] is False and summary["shards_planned"] >= 5
