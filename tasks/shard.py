@@ -27,6 +27,14 @@ from tasks.planning import Shard
 from tasks.records import BadRecord, Record, read_shard, truncate
 from tasks.storage import filesystem
 
+# Metrics columns copied as-is from engine.stats / engine.model_info / engine.draft_kind.
+ENGINE_METRIC_FIELDS = (
+    "prompt_tokens", "padding_waste", "rounds", "proposed", "accepted", "acceptance_rate",
+    "mean_accepted_length", "accepted_per_position", "proposed_per_position", "target_forwards",
+    "draft_forwards", "distinct_shapes", "prefill_seconds", "decode_seconds", "draft_seconds",
+    "verify_seconds", "target_model", "target_weights_sha256", "draft_model",
+    "draft_weights_sha256", "draft_kind",
+)
 SUMMARY_FIELDS = ("input_rows", "ok_rows", "error_rows", "generated_tokens", "cost",
                   "wall_seconds")
 
@@ -111,36 +119,58 @@ def process_shard(
                             [r.seed for r in records])
             if records else []
         )
-        stats, model_info, draft_kind = engine.stats.as_dict(), engine.model_info, engine.draft_kind
-    from generation import ENGINE_VERSION
-
+        engine_stats = {**engine.stats.as_dict(), **engine.model_info,
+                        "draft_kind": engine.draft_kind}
     ok = [(r, c) for r, c in zip(records, completions, strict=True) if c.finish_reason != "error"]
     bad += too_long + [
         BadRecord(r.row, r.record_id, f"engine_error: {c.error}", truncate(r.prompt_text))
         for r, c in zip(records, completions, strict=True) if c.finish_reason == "error"
     ]
     data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad)
-    wall = time.perf_counter() - started
-    generated = sum(len(c.token_ids) for _, c in ok)
+    metrics = _metrics_row(
+        config, layout, shard, engine_stats,
+        input_rows=input_rows, ok_rows=data.num_rows, error_rows=errors.num_rows,
+        generated=sum(len(c.token_ids) for _, c in ok),
+        wall=time.perf_counter() - started, started_at=started_at,
+    )
+    tables = {"data": data, "errors": errors,
+              "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
+    summary = {k: metrics[k] for k in SUMMARY_FIELDS}
+    if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
+        return ShardOutcome(shard.shard_id, "committed", summary)
+    winner = read_manifest(layout, shard.shard_id)
+    return ShardOutcome(shard.shard_id, "lost", {k: winner[k] for k in SUMMARY_FIELDS})
+
+
+def _metrics_row(
+    config: RunConfig,
+    layout: RunLayout,
+    shard: Shard,
+    engine_stats: dict[str, Any],
+    *,
+    input_rows: int,
+    ok_rows: int,
+    error_rows: int,
+    generated: int,
+    wall: float,
+    started_at: dt.datetime,
+) -> dict[str, Any]:
+    """The shard's METRICS_SCHEMA row: engine counters + rows, time and what it cost."""
+    from generation import ENGINE_VERSION  # lazily: torch stays out of `corpusgen plan`
+
     price = config.pricing.usd_per_hour()
     device_seconds = wall * config.devices_per_slot
     cost = device_seconds / 3600 * price
-    metrics = {
-        **{k: stats[k] for k in (
-            "prompt_tokens", "padding_waste", "rounds", "proposed", "accepted", "acceptance_rate",
-            "mean_accepted_length", "accepted_per_position", "proposed_per_position",
-            "target_forwards", "draft_forwards", "distinct_shapes", "prefill_seconds",
-            "decode_seconds", "draft_seconds", "verify_seconds")},
-        **model_info,
+    return {
+        **{field: engine_stats[field] for field in ENGINE_METRIC_FIELDS},
         "run_id": layout.run_id,
         "shard_id": shard.shard_id,
         "worker_id": worker_id(),
         "input_rows": input_rows,
-        "ok_rows": data.num_rows,
-        "error_rows": errors.num_rows,
+        "ok_rows": ok_rows,
+        "error_rows": error_rows,
         "generated_tokens": generated,
-        "batch_bucket": stats["batch_bucket_max"],
-        "draft_kind": draft_kind,
+        "batch_bucket": engine_stats["batch_bucket_max"],
         "wall_seconds": wall,
         "tokens_per_second": generated / wall if wall else 0.0,
         "device_type": config.pricing.device_type,
@@ -154,13 +184,6 @@ def process_shard(
         "started_at": started_at,
         "finished_at": dt.datetime.now(dt.UTC),
     }
-    tables = {"data": data, "errors": errors,
-              "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
-    summary = {k: metrics[k] for k in SUMMARY_FIELDS}
-    if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
-        return ShardOutcome(shard.shard_id, "committed", summary)
-    winner = read_manifest(layout, shard.shard_id)
-    return ShardOutcome(shard.shard_id, "lost", {k: winner[k] for k in SUMMARY_FIELDS})
 
 
 def is_io_error(task, task_run, state) -> bool:
