@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 import fsspec
 import pyarrow.dataset as ds
@@ -198,3 +199,32 @@ def test_s3_credentials_from_a_prefect_secret_block(s3_bucket, monkeypatch):
     Secret(value="not-a-mapping").save("s3-bad", overwrite=True)
     with pytest.raises(ValueError, match=r'must hold \{"key"'):
         filesystem("s3://corpus-test/x", StorageSpec(prefect_secret_block="s3-bad"))
+
+
+def test_two_concurrent_attempts_at_one_shard_commit_once(tmp_path, tiny_llama_dir):
+    """Both attempts generate (neither sees a manifest when it starts); exactly one commits,
+    the loser reports the winner's numbers and leaves no files behind."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from flows.generate import plan_run
+    from tasks.shard import process_shard, run_layout
+
+    write_jsonl(tmp_path / "in.jsonl", good_rows(6))
+    config = parse_run_config(run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
+                                         tiny_engine(tiny_llama_dir)))
+    shard = plan_run.fn(config).shards[0]
+    layout = run_layout(config)
+    barrier = threading.Barrier(2)
+
+    def attempt(_):
+        barrier.wait()
+        return process_shard(config, layout, shard)
+
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(attempt, range(2)))
+    assert sorted(o.status for o in outcomes) == ["committed", "lost"]
+    assert outcomes[0].summary == outcomes[1].summary
+    assert len(layout.fs.glob(layout.manifests_glob)) == 1
+    data = read_dataset(layout.fs, layout.root, "data")
+    assert sorted(data.column("id").to_pylist()) == [row["id"] for row in good_rows(6)]
+    assert not layout.fs.glob(f"{layout.root}/_attempts/**/*.parquet")
