@@ -13,6 +13,7 @@ from uuid import UUID
 from prefect import flow, get_client, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.cache_policies import NO_CACHE
+from prefect.concurrency.sync import concurrency
 from prefect.deployments import run_deployment
 from prefect.futures import PrefectFuture, as_completed
 from prefect.logging import get_run_logger
@@ -47,6 +48,15 @@ def ensure_accelerator_limit(config: RunConfig) -> None:
         client.upsert_global_concurrency_limit_by_name(
             config.concurrency_limit, config.accelerator_slots
         )
+
+
+def accelerator_slot(config: RunConfig):
+    """One slot of the global limit per loaded engine, held while that process generates.
+
+    The engine stays on its device between shards, so the slot is held per run (local) or per
+    batch (deployment worker), not re-acquired per shard (each acquisition is an API round trip
+    and, right after a release, can wait out the server's retry-after)."""
+    return concurrency(config.concurrency_limit, occupy=1, strict=True)
 
 
 def shard_task(config: RunConfig):
@@ -151,8 +161,11 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
     progress = _Progress(layout, plan, CostBudget(run.cost_cap_usd))
     for shard_id in sorted(committed):
         progress.budget.record(read_manifest(layout, shard_id)["cost"])
-    dispatch = _dispatch_local if run.dispatch.mode == "local" else _dispatch_deployments
-    unscheduled = dispatch(run, pending, progress)
+    if run.dispatch.mode == "local":
+        with accelerator_slot(run):
+            unscheduled = _dispatch_local(run, pending, progress)
+    else:
+        unscheduled = _dispatch_deployments(run, pending, progress)
     sweep_losing_attempts(layout)
     summary = summarize_run(layout, run.output, plan, len(unscheduled), progress.failed)
     publish_summary_artifacts(summary, run.pricing.usd_per_hour(), run.pricing.device_type)
@@ -179,10 +192,11 @@ def generate_shards(config: ConfigSource, shard_ids: list[str]) -> list[dict[str
             "generate_corpus (it plans before dispatching shards)"
         ) from None
     task_with_options = shard_task(run)
-    states = [
-        task_with_options(run, layout.run_date, shard, return_state=True)
-        for shard in plan.select(shard_ids)
-    ]
+    with accelerator_slot(run):
+        states = [
+            task_with_options(run, layout.run_date, shard, return_state=True)
+            for shard in plan.select(shard_ids)
+        ]
     failed = [shard_id for shard_id, state in zip(shard_ids, states, strict=True)
               if not state.is_completed()]
     if failed:

@@ -128,7 +128,9 @@ class RunConfig(_Strict):
     output: str = Field(description="output root, local path or s3://bucket/prefix")
     sharding: ShardingSpec = ShardingSpec()
     storage: StorageSpec = StorageSpec()
-    accelerator_slots: int = Field(1, ge=1, description="shards generating at once, all workers")
+    accelerator_slots: int = Field(
+        1, ge=1, description="engines generating at once over all workers; local shards in flight"
+    )
     devices_per_slot: int = Field(1, ge=1, description="devices one engine occupies (for cost)")
     concurrency_limit: str = Field(
         "corpusgen-accelerators", description="Prefect global concurrency limit name"

@@ -10,7 +10,6 @@ import datetime as dt
 import os
 import socket
 import time
-from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,13 +94,8 @@ def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
     return pa.Table.from_pylist(data, DATA_SCHEMA), pa.Table.from_pylist(errors, ERRORS_SCHEMA)
 
 
-def process_shard(
-    config: RunConfig,
-    layout: RunLayout,
-    shard: Shard,
-    slot: AbstractContextManager | None = None,
-) -> ShardOutcome:
-    """Generate and commit one shard; `slot` holds an accelerator slot around engine use."""
+def process_shard(config: RunConfig, layout: RunLayout, shard: Shard) -> ShardOutcome:
+    """Generate and commit one shard (or finish/skip it if it is already committed)."""
     manifest = read_manifest(layout, shard.shard_id)
     if manifest is not None:
         publish(layout, manifest)
@@ -111,7 +105,7 @@ def process_shard(
     records, bad = read_shard(input_fs, shard, config.input, config.seed)
     input_rows = len(records) + len(bad)
     generation = config.generation
-    with slot or nullcontext(), leased_engine(generation.engine, generation.warmup) as engine:
+    with leased_engine(generation.engine, generation.warmup) as engine:
         records, too_long = _drop_too_long(engine, records)
         engine.reset_stats()
         completions = (
@@ -203,10 +197,6 @@ def is_io_error(task, task_run, state) -> bool:
     retry_condition_fn=is_io_error,
 )
 def generate_shard(config: RunConfig, run_date: str, shard: Shard) -> ShardOutcome:
-    """One Prefect task per shard, holding one slot of the global accelerator limit."""
-    from prefect.concurrency.sync import concurrency
-
+    """One Prefect task per shard, run by a process that holds an accelerator slot."""
     fs, root = filesystem(config.output, config.storage)
-    layout = RunLayout(fs, root, config.resolved_run_id(), run_date)
-    slot = concurrency(config.concurrency_limit, occupy=1, strict=True)
-    return process_shard(config, layout, shard, slot)
+    return process_shard(config, RunLayout(fs, root, config.resolved_run_id(), run_date), shard)
