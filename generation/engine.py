@@ -383,7 +383,7 @@ class Engine:
 
     def _choose_k(self, width: int) -> int:
         def target_seconds(t: int) -> float:
-            return self.target.mean_seconds(width, t)
+            return self.target.recent_seconds_for(width, t)
 
         return self.chooser.choose(target_seconds, lambda k: self.proposer.seconds_for(width, k))
 

@@ -70,17 +70,19 @@ class DraftLengthChooser:
     Expected tokens per row per round with acceptance alpha: (1 - alpha^(K+1)) / (1 - alpha).
     Round time = measured draft time for K + measured target time for a [b, K+1] forward, so
     the cost of verifying at larger batch is measured, not assumed free. alpha is a decayed
-    estimate from recent rounds (geometric MLE); while K = 0 wins, every `explore_every` steps
-    one round at the smallest K keeps alpha fresh.
+    estimate from recent rounds (geometric MLE). Every `explore_every` steps the other side is
+    tried once: a round at the smallest K while plain wins (keeps alpha fresh), a plain step
+    while speculation wins (keeps the plain step's timing fresh). Plain runs of at most
+    `explore_every` steps also bound how far a draft model's cache can fall behind.
     """
 
     def __init__(
-        self, grid_ks: list[int], fixed: int | None, explore_every: int = 8, decay: float = 0.9
+        self, grid_ks: list[int], fixed: int | None, explore_every: int = 12, decay: float = 0.9
     ):
         self.grid_ks, self.fixed = grid_ks, fixed
         self.explore_every, self.decay = explore_every, decay
         self.accepted, self.trials = 1.0, 2.0  # prior alpha = 0.5, weak
-        self.plain_steps = 0
+        self.steps = 0
 
     @property
     def alpha(self) -> float:
@@ -104,8 +106,7 @@ class DraftLengthChooser:
             rate = tokens / (draft_seconds(k) + target_seconds(k + 1))
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        if best_k == 0:
-            self.plain_steps += 1
-            if self.plain_steps % self.explore_every == 0:
-                return self.grid_ks[0]
+        self.steps += 1
+        if self.steps % self.explore_every == 0:
+            return self.grid_ks[0] if best_k == 0 else 0
         return best_k

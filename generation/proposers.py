@@ -36,7 +36,7 @@ class ModelProposer:
         return self.runner.forwards
 
     def seconds_for(self, b: int, k: int) -> float:
-        return self.runner.mean_seconds(b, 2) + (k - 1) * self.runner.mean_seconds(b, 1)
+        return self.runner.recent_seconds_for(b, 2) + (k - 1) * self.runner.recent_seconds_for(b, 1)
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         started = time.perf_counter()

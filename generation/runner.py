@@ -37,8 +37,7 @@ class ModelRunner:
         self.model, self.grid, self.device = model, grid, device
         self.cache = KVCache(model.config, grid.max_batch + 1, grid.max_cache, dtype, device)
         self.shapes: Counter[tuple] = Counter()
-        self.first_seconds: dict[tuple, float] = {}  # first call per shape: includes set-up
-        self.steady_seconds: Counter[tuple] = Counter()  # later calls, for choosing K
+        self.recent_seconds: dict[tuple, float] = {}  # per-shape moving average, for choosing K
         self.computed_slots = 0
         self.useful_slots = 0
         self.compiles = 0
@@ -67,25 +66,22 @@ class ModelRunner:
         devices.mark_step(self.device)
         devices.synchronize(self.device)
         elapsed = time.perf_counter() - started
-        if self.shapes[key]:
-            self.steady_seconds[key] += elapsed
-        else:
-            self.first_seconds[key] = elapsed
+        if self.shapes[key] < 2:  # the first call pays one-time set-up: the second replaces it
+            self.recent_seconds[key] = elapsed
+        else:  # a moving average, so a reading taken while the host was busy fades out
+            self.recent_seconds[key] += 0.25 * (elapsed - self.recent_seconds[key])
         self.shapes[key] += 1
         self.computed_slots += key[1] * key[2]
         self.useful_slots += useful
         return logits
 
-    def mean_seconds(self, b: int, t: int) -> float:
-        """Typical time of a [b, t] decode forward over all cache buckets seen so far."""
-        keys = [key for key in self.shapes if key[:3] == ("decode", b, t)]
-        steady_calls = sum(self.shapes[key] - 1 for key in keys)
-        if steady_calls:
-            return sum(self.steady_seconds[key] for key in keys) / steady_calls
-        if keys:
-            return sum(self.first_seconds[key] for key in keys) / len(keys)
+    def recent_seconds_for(self, b: int, t: int) -> float:
+        """Recent time of a [b, t] decode forward, averaged over the cache buckets seen."""
+        times = [v for key, v in self.recent_seconds.items() if key[:3] == ("decode", b, t)]
+        if times:
+            return sum(times) / len(times)
         if t > 1:  # unmeasured: assume cost grows linearly with tokens (pessimistic)
-            return t * self.mean_seconds(b, 1)
+            return t * self.recent_seconds_for(b, 1)
         return 1.0
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
