@@ -85,8 +85,12 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if summary["stopped_on_budget"]:
         console.print(f"[yellow]Stopped on budget: {summary['shards_not_scheduled']} shard(s) "
                       "not scheduled; committed shards are kept.[/yellow]")
-    console.print(f"Generated records: {summary['data']}\nError rows:        {summary['errors']}\n"
-                  f"Metrics:           {summary['metrics']}")
+    console.print(
+        f"Generated records: {summary['data']}\nError rows:        {summary['errors']}\n"
+        f"Metrics:           {summary['metrics']}\n"
+        f"Cost report:       corpusgen report {summary['output']}",
+        soft_wrap=True,
+    )
 
 
 class _DropThreadTimeoutNotice(logging.Filter):
