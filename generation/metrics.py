@@ -69,28 +69,35 @@ class DraftLengthChooser:
 
     Expected tokens per row per round with acceptance alpha: (1 - alpha^(K+1)) / (1 - alpha).
     Round time = measured draft time for K + measured target time for a [b, K+1] forward, so
-    the cost of verifying at larger batch is measured, not assumed free. alpha is a decayed
-    estimate from recent rounds (geometric MLE). Every `explore_every` steps the other side is
-    tried once: a round at the smallest K while plain wins (keeps alpha fresh), a plain step
-    while speculation wins (keeps the plain step's timing fresh). Plain runs of at most
-    `explore_every` steps also bound how far a draft model's cache can fall behind.
+    the cost of verifying at larger batch is measured, not assumed free. alpha is a geometric
+    MLE over recent rounds whose evidence ages every step, so a change of text shows quickly.
+    Now and then the losing side is tried once (a K round while plain wins, keeping alpha
+    fresh; a plain step while speculation wins, keeping its timing fresh); each try that
+    confirms the choice doubles the interval, up to `max_explore_every`.
     """
 
     def __init__(
-        self, grid_ks: list[int], fixed: int | None, explore_every: int = 12, decay: float = 0.9
+        self,
+        grid_ks: list[int],
+        fixed: int | None,
+        explore_every: int = 12,
+        max_explore_every: int = 48,
+        decay: float = 0.9,
     ):
-        self.grid_ks, self.fixed = grid_ks, fixed
-        self.explore_every, self.decay = explore_every, decay
-        self.accepted, self.trials = 1.0, 2.0  # prior alpha = 0.5, weak
-        self.steps = 0
+        self.grid_ks, self.fixed, self.decay = grid_ks, fixed, decay
+        self.base_interval, self.max_interval = explore_every, max_explore_every
+        self.interval, self.since_explore = explore_every, 0
+        self.accepted, self.trials = 0.0, 0.0
+        self.last_best: int | None = None
 
     @property
     def alpha(self) -> float:
+        """Ageing scales both counts alike, so it reweighs old evidence without moving alpha."""
+        if self.trials < 1e-3:
+            return 0.5  # no evidence yet: a neutral prior that invites a first measurement
         return min(self.accepted / self.trials, 0.999)
 
     def observe(self, k: int, accepted: list[int]) -> None:
-        self.accepted *= self.decay
-        self.trials *= self.decay
         for count in accepted:
             self.accepted += count
             self.trials += count + (count < k)
@@ -99,6 +106,8 @@ class DraftLengthChooser:
         """target_seconds(t) and draft_seconds(k): measured times at the current batch bucket."""
         if self.fixed is not None:
             return self.fixed
+        self.accepted *= self.decay
+        self.trials *= self.decay
         alpha = self.alpha
         best_k, best_rate = 0, 1.0 / target_seconds(1)
         for k in self.grid_ks:
@@ -106,7 +115,12 @@ class DraftLengthChooser:
             rate = tokens / (draft_seconds(k) + target_seconds(k + 1))
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        self.steps += 1
-        if self.steps % self.explore_every == 0:
-            return self.grid_ks[0] if best_k == 0 else 0
-        return best_k
+        if (best_k == 0) != (self.last_best == 0):  # the choice flipped: explore eagerly again
+            self.interval = self.base_interval
+        self.last_best = best_k
+        self.since_explore += 1
+        if self.since_explore < self.interval:
+            return best_k
+        self.since_explore = 0
+        self.interval = min(2 * self.interval, self.max_interval)
+        return self.grid_ks[0] if best_k == 0 else 0

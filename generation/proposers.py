@@ -15,7 +15,7 @@ from generation.runner import ModelRunner, bucket
 from generation.sampling import choose, probabilities
 from schemas import SamplingParams
 
-CATCH_UP_WIDTHS = [2, 4, 8, 16]  # first-step widths: tokens the draft has not seen yet
+CATCH_UP_WIDTHS = [2, 4, 8, 16, 32, 64]  # first-step widths: how far the draft lags
 
 
 class ModelProposer:
