@@ -31,6 +31,7 @@ from tasks.storage import filesystem
 # No postponed annotations in this module: Prefect builds the flows' parameter models from these
 # types when a worker loads the flows by entrypoint.
 ConfigSource = dict[str, Any] | str
+SLOT_LEASE_SECONDS = 60  # renewed while the worker lives
 
 
 @task(name="plan-run", cache_policy=NO_CACHE)
@@ -51,12 +52,14 @@ def ensure_accelerator_limit(config: RunConfig) -> None:
 
 
 def accelerator_slot(config: RunConfig):
-    """One slot of the global limit per loaded engine, held while that process generates.
+    """One slot of the global limit per deployment worker, held while it generates a batch.
 
-    The engine stays on its device between shards, so the slot is held per run (local) or per
-    batch (deployment worker), not re-acquired per shard (each acquisition is an API round trip
-    and, right after a release, can wait out the server's retry-after)."""
-    return concurrency(config.concurrency_limit, occupy=1, strict=True)
+    The engine stays on its device between shards, so the slot is held per batch, not
+    re-acquired per shard (an API round trip, and one right after a release waited ~2 s here).
+    A killed worker's slot comes back when its lease expires (the server's repossessor)."""
+    return concurrency(
+        config.concurrency_limit, occupy=1, strict=True, lease_duration=SLOT_LEASE_SECONDS
+    )
 
 
 def shard_task(config: RunConfig):
@@ -151,7 +154,6 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
     logger = get_run_logger()
     plan = plan_run(run)
     layout = run_layout(run)
-    ensure_accelerator_limit(run)
     committed = committed_shard_ids(layout)
     pending = [shard for shard in plan.shards if shard.shard_id not in committed]
     logger.info(
@@ -162,9 +164,12 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
     for shard_id in sorted(committed):
         progress.budget.record(read_manifest(layout, shard_id)["cost"])
     if run.dispatch.mode == "local":
-        with accelerator_slot(run):
-            unscheduled = _dispatch_local(run, pending, progress)
+        # One process, one engine: accelerator_slots bounds shards in flight here. No global
+        # slot: ephemeral servers run no lease repossessor, so a SIGKILLed local run would
+        # hold it forever and block its own resume.
+        unscheduled = _dispatch_local(run, pending, progress)
     else:
+        ensure_accelerator_limit(run)
         unscheduled = _dispatch_deployments(run, pending, progress)
     sweep_losing_attempts(layout)
     summary = summarize_run(layout, run.output, plan, len(unscheduled), progress.failed)

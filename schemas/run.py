@@ -129,7 +129,7 @@ class RunConfig(_Strict):
     sharding: ShardingSpec = ShardingSpec()
     storage: StorageSpec = StorageSpec()
     accelerator_slots: int = Field(
-        1, ge=1, description="engines generating at once over all workers; local shards in flight"
+        1, ge=1, description="deployment workers generating at once; local: shards in flight"
     )
     devices_per_slot: int = Field(1, ge=1, description="devices one engine occupies (for cost)")
     concurrency_limit: str = Field(

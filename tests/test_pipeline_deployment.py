@@ -64,3 +64,8 @@ def test_batches_run_in_deployment_processes(tmp_path, tiny_llama_dir, served_de
     metrics = ds.dataset(tmp_path / "out" / "metrics", partitioning="hive").to_table()
     workers = set(metrics.column("worker_id").to_pylist())
     assert f":{os.getpid()}" not in "".join(workers)  # generated in the deployment's processes
+    from prefect import get_client
+
+    with get_client(sync_client=True) as client:
+        limit = client.read_global_concurrency_limit_by_name("corpusgen-accelerators")
+    assert limit.limit == 2 and limit.active_slots == 0  # sized from config, slots given back
