@@ -197,6 +197,7 @@ def generate_shards(config: ConfigSource, shard_ids: list[str]) -> list[dict[str
             "generate_corpus (it plans before dispatching shards)"
         ) from None
     task_with_options = shard_task(run)
+    ensure_accelerator_limit(run)  # idempotent; lets a batch run without its parent too
     with accelerator_slot(run):
         states = [
             task_with_options(run, layout.run_date, shard, return_state=True)
