@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Subprocesses (prefect, corpusgen, the deployment scripts) must come from the environment that
+# runs the tests, also when it is not activated (CI runs .venv/bin/python -m pytest).
+os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 SMOLLM2 = "packaged:smollm2-135m-instruct"
 
