@@ -109,6 +109,9 @@ class PrefectStack:
         _, alive = psutil.wait_procs(family, timeout=30)
         for process in self.processes.values():
             _signal_group(process, signal.SIGKILL)
+        for straggler in alive:  # start-workers.sh runs each worker in its own process group
+            with contextlib.suppress(psutil.NoSuchProcess):
+                straggler.kill()
         _, alive = psutil.wait_procs(alive, timeout=10)
         return [p.pid for p in alive]
 
