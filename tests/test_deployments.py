@@ -113,7 +113,14 @@ class PrefectStack:
             with contextlib.suppress(psutil.NoSuchProcess):
                 straggler.kill()
         _, alive = psutil.wait_procs(alive, timeout=10)
-        return [p.pid for p in alive]
+        return [p.pid for p in alive if _running(p)]
+
+
+def _running(process: psutil.Process) -> bool:
+    """Exited-but-unreaped (zombie) processes have stopped: orphans wait for PID 1 to reap them."""
+    with contextlib.suppress(psutil.NoSuchProcess):
+        return process.status() != psutil.STATUS_ZOMBIE
+    return False
 
 
 def _signal_group(process: subprocess.Popen, sig: signal.Signals) -> None:
