@@ -17,6 +17,10 @@ from rich.table import Table
 
 from schemas.run import ConfigError, RunConfig, parse_run_config
 
+# corpusgen runs offline: Prefect's telemetry has nowhere to go and would log an error per run.
+os.environ.setdefault("DO_NOT_TRACK", "1")
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
