@@ -64,27 +64,15 @@ class LoadedModel:
 
 def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> LoadedModel:
     directory = loading.resolve_model_dir(spec)
-    model = CausalLM(DecoderConfig.from_hf(loading.read_config(directory)), max_positions)
+    config = loading.read_config(directory)
+    model = CausalLM(DecoderConfig.from_hf(config), max_positions)
     model.load_hf_weights(loading.load_state_dict(directory))
     model = model.to_dtype(DTYPES[spec.dtype]).to(device).eval()
     tokenizer = loading.load_tokenizer(directory)
-    eos = set(_as_list(loading.read_config(directory).get("eos_token_id")))
-    generation_config = directory / "generation_config.json"
-    if generation_config.is_file():
-        import json
-
-        eos |= set(_as_list(json.loads(generation_config.read_text()).get("eos_token_id")))
-    if tokenizer.eos_token_id is not None:
-        eos.add(tokenizer.eos_token_id)
+    eos = loading.eos_token_ids(directory, config) | {tokenizer.eos_token_id} - {None}
     return LoadedModel(
         model, tokenizer, directory, loading.weights_sha256(directory), frozenset(eos)
     )
-
-
-def _as_list(value) -> list[int]:
-    if value is None:
-        return []
-    return list(value) if isinstance(value, list | tuple) else [value]
 
 
 def _check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
@@ -125,6 +113,7 @@ class Engine:
         fixed = None if config.num_draft_tokens == "auto" else config.num_draft_tokens
         self.chooser = DraftLengthChooser(self.grid.draft_lengths, fixed)
         self.max_draft = self.grid.draft_lengths[-1] if proposer else 0
+        self._stop_ids = target.eos_ids  # plus the call's stop_token_ids, set per generate()
         self.reset_stats()
 
     @classmethod
@@ -254,6 +243,7 @@ class Engine:
         self, prompts: Sequence[Prompt], params: SamplingParams, seeds: Sequence[int] | None = None
     ) -> list[Completion]:
         started = time.perf_counter()
+        self._stop_ids = self.target_loaded.eos_ids | set(params.stop_token_ids)
         results: list[Completion | None] = [None] * len(prompts)
         waiting: deque[_Row] = deque()
         for index, prompt in enumerate(prompts):
@@ -405,12 +395,11 @@ class Engine:
 
     def _append(self, row: _Row, new_tokens: list[int], params: SamplingParams) -> None:
         """Commit tokens to a row, stopping at EOS / stop ids / stop strings / length limits."""
-        stop_ids = self.target_loaded.eos_ids | set(params.stop_token_ids)
         room = self.grid.max_cache - self.max_draft - 1
         for token in new_tokens:
             row.tokens.append(token)
             self._stats.tokens_generated += 1
-            if token in stop_ids or (params.stop and self._hit_stop_string(row, params.stop)):
+            if token in self._stop_ids or (params.stop and self._hit_stop_string(row, params.stop)):
                 row.finish = "stop"
             elif len(row.generated) >= params.max_new_tokens or len(row.tokens) >= room:
                 row.finish = "length"

@@ -107,6 +107,20 @@ def read_config(model_dir: Path) -> dict:
     return json.loads((model_dir / "config.json").read_text())
 
 
+def eos_token_ids(model_dir: Path, config: dict) -> set[int]:
+    """End-of-sequence ids from config.json and generation_config.json (either may list several)."""
+    ids: set[int] = set()
+    sources = [config]
+    generation_config = model_dir / "generation_config.json"
+    if generation_config.is_file():
+        sources.append(json.loads(generation_config.read_text()))
+    for source in sources:
+        value = source.get("eos_token_id")
+        if value is not None:
+            ids.update(value if isinstance(value, list | tuple) else [value])
+    return ids
+
+
 def load_tokenizer(model_dir: Path):
     from transformers import AutoTokenizer
 
