@@ -20,6 +20,8 @@ from schemas.run import ConfigError, RunConfig, parse_run_config
 # corpusgen runs offline: Prefect's telemetry has nowhere to go and would log an error per run.
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+# Prefect's 20 s default for its local server's start-up fails on a loaded 2-core host.
+os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 console = Console()
@@ -36,10 +38,11 @@ def _commands() -> None:
     """Keeps `corpusgen <command>` a command group even while only one command is registered."""
 
 
-def _fail(error: Exception) -> typer.Exit:
-    """Print a config/input error unwrapped (paths stay greppable) and exit with status 2."""
+def _fail(error: Exception | str, status: int = 2) -> typer.Exit:
+    """Print an error the user can fix as one unwrapped line (paths stay greppable) and exit
+    with `status` (2: bad config or input, 1: the run failed)."""
     console.print(str(error), style="red", soft_wrap=True, markup=False)
-    return typer.Exit(2)
+    return typer.Exit(status)
 
 
 def _load(source: Path | dict[str, Any], overrides: list[str]) -> RunConfig:
@@ -105,19 +108,63 @@ class _DropThreadTimeoutNotice(logging.Filter):
         return not record.getMessage().startswith("Timeout of ")
 
 
+class _OneLineForHandledErrors(logging.Filter):
+    """Errors we explain ourselves (a shard's cause, the run's verdict) log their message, not a
+    traceback: the CLI's last line says what failed and what to do."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from tasks.failures import EngineLoadError, RunFailed
+
+        if record.exc_info and isinstance(record.exc_info[1], EngineLoadError | RunFailed):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+def _quiet_prefect_logs() -> None:
+    logging.getLogger("prefect.task_runs").addFilter(_DropThreadTimeoutNotice())
+    for name in ("prefect.task_runs", "prefect.flow_runs"):
+        logging.getLogger(name).addFilter(_OneLineForHandledErrors())
+
+
+def _explain(error: Exception, config: RunConfig) -> tuple[str, int] | None:
+    """(one line, exit status) for the errors a user can fix; None for anything else (a bug)."""
+    from tasks.failures import RunFailed
+    from tasks.planning import InputError
+    from tasks.storage import credentials_problem
+
+    if isinstance(error, InputError):
+        return str(error), 2
+    if (problem := credentials_problem(error, config.storage)) is not None:
+        return problem, 2
+    if isinstance(error, RunFailed):
+        return str(error), 1
+    if "ephemeral Prefect API server" in str(error):
+        return (
+            "Prefect's local server did not start within "
+            f"{os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS']} s ("
+            f"{str(error).splitlines()[0][:200]}); raise "
+            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS or set PREFECT_API_URL to a "
+            "running server (`prefect server start`)", 1
+        )
+    return None
+
+
 def _generate(config: RunConfig) -> None:
     from flows.generate import generate_corpus
-    from tasks.planning import InputError, list_input_files
+    from tasks.planning import list_input_files
     from tasks.storage import filesystem
 
-    logging.getLogger("prefect.task_runs").addFilter(_DropThreadTimeoutNotice())
+    _quiet_prefect_logs()
     try:
         list_input_files(*filesystem(config.input.uri, config.storage))  # before Prefect starts
         summary = _run_with_progress(
             config, lambda: generate_corpus(config.model_dump(mode="json"))
         )
-    except InputError as error:
-        raise _fail(error) from None
+    except Exception as error:
+        explained = _explain(error, config)
+        if explained is None:
+            raise
+        raise _fail(*explained) from None
     _print_summary(summary)
 
 

@@ -20,7 +20,14 @@ from prefect.logging import get_run_logger
 from prefect.tasks import exponential_backoff
 
 from schemas.run import RunConfig, parse_run_config
-from tasks.commit import committed_shard_ids, read_manifest, sweep_losing_attempts
+from tasks.commit import (
+    committed_shard_ids,
+    finish_publishes,
+    read_manifest,
+    sweep_losing_attempts,
+    verify_committed,
+)
+from tasks.failures import RunFailed, run_failure_message, state_failure
 from tasks.layout import RunLayout
 from tasks.planning import Plan, Shard, new_plan, plan_shards, write_plan
 from tasks.run_summary import publish_summary_artifacts, summarize_run
@@ -74,7 +81,8 @@ class _Progress:
     """A Prefect progress artifact plus the budget, updated as shards finish."""
 
     def __init__(self, layout: RunLayout, plan: Plan, budget: CostBudget):
-        self.layout, self.total, self.budget, self.failed = layout, len(plan.shards), budget, []
+        self.layout, self.total, self.budget = layout, len(plan.shards), budget
+        self.failed: dict[str, str] = {}  # shard id -> why
         self.done = len(committed_shard_ids(layout))
         self.artifact = create_progress_artifact(
             self._percent(), key=f"corpusgen-progress-{layout.run_id.lower().replace('_', '-')}",
@@ -84,11 +92,11 @@ class _Progress:
     def _percent(self) -> float:
         return 100.0 * self.done / self.total if self.total else 100.0
 
-    def shards_finished(self, shards: list[Shard]) -> None:
+    def shards_finished(self, shards: list[Shard], failure: str | None) -> None:
         for shard in shards:
             manifest = read_manifest(self.layout, shard.shard_id)
             if manifest is None:
-                self.failed.append(shard.shard_id)
+                self.failed[shard.shard_id] = failure or "finished without a commit"
             else:
                 self.budget.record(manifest["cost"])
                 self.done += 1
@@ -103,7 +111,8 @@ def _dispatch_local(config: RunConfig, pending: list[Shard], progress: _Progress
 
     def on_done(future: PrefectFuture, shard: Shard) -> None:
         future.wait()
-        progress.shards_finished([shard])
+        progress.shards_finished([shard], None if future.state.is_completed()
+                                 else state_failure(future.state))
 
     return run_bounded(
         pending,
@@ -139,9 +148,13 @@ def _dispatch_deployments(
                         return flow_run_id
                 time.sleep(2)
 
+    def on_done(flow_run_id: UUID, batch: list[Shard]) -> None:
+        with get_client(sync_client=True) as client:
+            state = client.read_flow_run(flow_run_id).state
+        progress.shards_finished(batch, None if state.is_completed() else state.message)
+
     left = run_bounded(
-        batches, submit, wait_first,
-        on_done=lambda _, batch: progress.shards_finished(batch),
+        batches, submit, wait_first, on_done,
         slots=config.accelerator_slots, budget=progress.budget, size=len,
     )
     return [shard for batch in left for shard in batch]
@@ -154,6 +167,8 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
     logger = get_run_logger()
     plan = plan_run(run)
     layout = run_layout(run)
+    for shard_id, outcome in finish_publishes(layout).items():  # commits cut short earlier
+        logger.warning("shard %s: %s", shard_id, outcome)
     committed = committed_shard_ids(layout)
     pending = [shard for shard in plan.shards if shard.shard_id not in committed]
     logger.info(
@@ -171,16 +186,17 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
     else:
         ensure_accelerator_limit(run)
         unscheduled = _dispatch_deployments(run, pending, progress)
+    finish_publishes(layout)
     sweep_losing_attempts(layout)
-    summary = summarize_run(layout, run.output, plan, len(unscheduled), progress.failed)
+    broken = verify_committed(layout)
+    summary = summarize_run(layout, run.output, plan, len(unscheduled), list(progress.failed))
     publish_summary_artifacts(summary, run.pricing.usd_per_hour(), run.pricing.device_type)
     if unscheduled:
         logger.warning("stopped on budget: %d shards not scheduled", len(unscheduled))
+    if broken:
+        raise RunFailed(run_failure_message(layout.run_id, broken, "committed but not intact"))
     if progress.failed:
-        raise RuntimeError(
-            f"{len(progress.failed)} shard(s) failed after retries: {progress.failed[:10]}; "
-            "committed shards are kept, rerun the same config to finish the run"
-        )
+        raise RunFailed(run_failure_message(layout.run_id, progress.failed, "failed"))
     return summary
 
 
@@ -203,10 +219,11 @@ def generate_shards(config: ConfigSource, shard_ids: list[str]) -> list[dict[str
             task_with_options(run, layout.run_date, shard, return_state=True)
             for shard in plan.select(shard_ids)
         ]
-    failed = [shard_id for shard_id, state in zip(shard_ids, states, strict=True)
-              if not state.is_completed()]
+    failed = {shard_id: state_failure(state)
+              for shard_id, state in zip(shard_ids, states, strict=True)
+              if not state.is_completed()}
     if failed:
-        raise RuntimeError(f"shards failed after retries: {failed}")
+        raise RunFailed(run_failure_message(layout.run_id, failed, "failed"))
     return [asdict(state.result()) for state in states]
 
 

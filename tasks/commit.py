@@ -15,6 +15,7 @@ import datetime as dt
 import json
 import os
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -31,14 +32,28 @@ def _ensure_parent(fs: AbstractFileSystem, path: str) -> None:
 
 
 def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
-    """Create `path` holding `data` only if it does not exist. True if this call created it."""
-    if not is_local(fs):
-        try:
-            with fs.open(path, "xb") as file:  # single PUT with If-None-Match: *
-                file.write(data)
-        except FileExistsError:
-            return False
+    """Create `path` holding `data` only if it does not exist. True if `path` now holds `data`.
+
+    The answer to a conditional create can be lost after it took effect (a dropped connection,
+    then a retry that gets 412 / EEXIST), so on any failure the object is read back: holding our
+    bytes means we created it (callers make `data` unique, e.g. with an attempt id). An error
+    with nothing written is raised, so the caller retries."""
+    try:
+        _create(fs, path, data)
         return True
+    except FileExistsError:
+        pass
+    except Exception:
+        if not fs.exists(path):
+            raise
+    return fs.cat_file(path) == data
+
+
+def _create(fs: AbstractFileSystem, path: str, data: bytes) -> None:
+    if not is_local(fs):
+        with fs.open(path, "xb") as file:  # single PUT with If-None-Match: *
+            file.write(data)
+        return
     _ensure_parent(fs, path)
     directory, name = path.rsplit("/", 1)
     temp = f"{directory}/.{name}.{uuid.uuid4().hex}.tmp"
@@ -48,19 +63,18 @@ def create_exclusive(fs: AbstractFileSystem, path: str, data: bytes) -> bool:
         os.fsync(file.fileno())
     try:
         os.link(temp, path)
-    except FileExistsError:
-        return False
     finally:
         os.unlink(temp)
-    return True
 
 
-def write_parquet(fs: AbstractFileSystem, path: str, table: pa.Table) -> None:
-    """One object per file (no directory markers), written in a single call."""
+def write_parquet(fs: AbstractFileSystem, path: str, table: pa.Table) -> int:
+    """One object per file (no directory markers), written in a single call. Returns its size."""
     buffer = pa.BufferOutputStream()
     pq.write_table(table, buffer)
     _ensure_parent(fs, path)
-    fs.pipe_file(path, buffer.getvalue().to_pybytes())
+    payload = buffer.getvalue().to_pybytes()
+    fs.pipe_file(path, payload)
+    return len(payload)
 
 
 def read_manifest(layout: RunLayout, shard_id: str) -> dict[str, Any] | None:
@@ -85,40 +99,54 @@ def commit_shard(
     tables: dict[str, pa.Table],
     summary: dict[str, Any],
 ) -> bool:
-    """Stage `tables` (kind -> table), then try to commit. True if this attempt won."""
+    """Stage `tables` (kind -> table), then try to commit. True if this attempt won.
+
+    The manifest records each file's rows and bytes, so a run can verify what it published."""
     fs = layout.fs
     attempt_dir = layout.attempt_dir(shard_id, attempt_id)
-    for kind, table in tables.items():
-        write_parquet(fs, f"{attempt_dir}/{kind}.parquet", table)
+    sizes = {kind: write_parquet(fs, f"{attempt_dir}/{kind}.parquet", table)
+             for kind, table in tables.items()}
     manifest = {
         "run_id": layout.run_id,
         "shard_id": shard_id,
         "attempt_id": attempt_id,
         "files": {kind: [layout.relative_published(kind, shard_id)] for kind in sorted(tables)},
+        "rows": {kind: tables[kind].num_rows for kind in sorted(tables)},
+        "bytes": {kind: sizes[kind] for kind in sorted(tables)},
         "committed_at": dt.datetime.now(dt.UTC).isoformat(),
         **summary,
     }
     if not create_exclusive(fs, layout.manifest(shard_id), json.dumps(manifest).encode()):
-        _remove(fs, attempt_dir)
+        _remove(fs, attempt_dir)  # the manifest names another attempt: ours can never win
         return False
     publish(layout, manifest)
     return True
 
 
+class CommittedFilesMissing(RuntimeError):
+    """A committed shard's file is neither staged nor published: it cannot be repaired."""
+
+
 def publish(layout: RunLayout, manifest: dict[str, Any]) -> None:
-    """Move a committed attempt's files to their published names. Safe to repeat."""
+    """Move a committed attempt's files to their published names. Safe to repeat, and safe
+    while another process finishes the same publish (whoever moves a file first wins)."""
     fs, shard_id = layout.fs, manifest["shard_id"]
     attempt_dir = layout.attempt_dir(shard_id, manifest["attempt_id"])
+    missing = []
     for kind in manifest["files"]:
         staged, final = f"{attempt_dir}/{kind}.parquet", layout.published(kind, shard_id)
-        if fs.exists(staged):
-            _ensure_parent(fs, final)
+        _ensure_parent(fs, final)
+        try:
             fs.mv(staged, final)
-        elif not fs.exists(final):
-            raise RuntimeError(
-                f"shard {shard_id} is committed (attempt {manifest['attempt_id']}) but its "
-                f"{kind} file is missing both at {staged} and {final}"
-            )
+        except FileNotFoundError:
+            if not fs.exists(final):
+                missing.append(kind)
+    if missing:
+        raise CommittedFilesMissing(
+            f"shard {shard_id} is committed (attempt {manifest['attempt_id']}) but its "
+            f"{'/'.join(missing)} file(s) are missing both in {attempt_dir} and published; "
+            f"delete {layout.manifest(shard_id)} to have the next run regenerate the shard"
+        )
     _remove(fs, attempt_dir)
 
 
@@ -127,8 +155,47 @@ def _remove(fs: AbstractFileSystem, directory: str) -> None:
         fs.rm(directory, recursive=True)
 
 
+def _published_sizes(layout: RunLayout) -> dict[str, int]:
+    """Path -> size of every published file of the run: one listing per kind."""
+    sizes: dict[str, int] = {}
+    for kind in PUBLISHED_KINDS:
+        with contextlib.suppress(FileNotFoundError):
+            found = layout.fs.find(layout.published_dir(kind), detail=True)
+            sizes.update({path: info["size"] for path, info in found.items()})
+    return sizes
+
+
+def _read_manifests(layout: RunLayout, shard_ids: list[str]) -> dict[str, dict[str, Any]]:
+    """Manifests of `shard_ids`, fetched concurrently on S3 (one call)."""
+    paths = {layout.manifest(shard_id): shard_id for shard_id in shard_ids}
+    contents = layout.fs.cat(list(paths)) if paths else {}
+    return {paths[path]: json.loads(content) for path, content in contents.items()}
+
+
+def finish_publishes(layout: RunLayout) -> dict[str, str]:
+    """Publish every committed shard whose published files are missing: a crash or a lost
+    connection between commit and publish, in this run or an earlier one. Idempotent.
+    Returns shard id -> what happened (published, or why it could not be)."""
+    published = _published_sizes(layout)
+    unfinished = [
+        shard_id for shard_id in sorted(committed_shard_ids(layout))
+        if any(layout.published(kind, shard_id) not in published for kind in PUBLISHED_KINDS)
+    ]
+    outcome = {}
+    for shard_id, manifest in _read_manifests(layout, unfinished).items():
+        if all(layout.published(kind, shard_id) in published for kind in manifest["files"]):
+            continue  # a manifest that lists fewer kinds, all published
+        try:
+            publish(layout, manifest)
+            outcome[shard_id] = "published from staging"
+        except CommittedFilesMissing as error:
+            outcome[shard_id] = str(error)
+    return outcome
+
+
 def sweep_losing_attempts(layout: RunLayout) -> int:
-    """Delete staged attempts of committed shards: they can never win (e.g. killed mid-write)."""
+    """Delete staged attempts of committed shards that the manifest does not name: they can never
+    win (e.g. killed mid-write). The named attempt's files are never touched."""
     fs, removed = layout.fs, 0
     committed = committed_shard_ids(layout)
     for attempt_dir in fs.glob(f"{layout.attempt_dir('*', '*')}"):
@@ -140,6 +207,40 @@ def sweep_losing_attempts(layout: RunLayout) -> int:
             _remove(fs, attempt_dir)
             removed += 1
     return removed
+
+
+def _parquet_rows(fs: AbstractFileSystem, path: str) -> int:
+    return pq.read_metadata(path, filesystem=fs).num_rows
+
+
+def verify_committed(layout: RunLayout) -> dict[str, str]:
+    """Check that every committed shard's files exist with the rows and bytes its manifest
+    recorded. Returns shard id -> problem for each shard that fails the check."""
+    published = _published_sizes(layout)
+    manifests = _read_manifests(layout, sorted(committed_shard_ids(layout)))
+    problems: dict[str, list[str]] = {}
+    expected_rows: dict[str, tuple[str, int]] = {}
+    for shard_id, manifest in manifests.items():
+        for kind in manifest["files"]:
+            path = layout.published(kind, shard_id)
+            want = manifest.get("bytes", {}).get(kind)
+            if path not in published:
+                problems.setdefault(shard_id, []).append(f"committed {kind} file {path} is missing")
+            elif want is not None and published[path] != want:
+                problems.setdefault(shard_id, []).append(
+                    f"{kind} file {path} has {published[path]} bytes, the manifest {want}"
+                )
+            elif kind in manifest.get("rows", {}):
+                expected_rows[path] = (shard_id, manifest["rows"][kind])
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        counted = dict(zip(expected_rows, pool.map(
+            lambda path: _parquet_rows(layout.fs, path), expected_rows), strict=True))
+    for path, (shard_id, want) in expected_rows.items():
+        if counted[path] != want:
+            problems.setdefault(shard_id, []).append(
+                f"{path} has {counted[path]} rows, the manifest {want}"
+            )
+    return {shard_id: "; ".join(found) for shard_id, found in problems.items()}
 
 
 def read_published(layout: RunLayout, kind: str, schema: pa.Schema) -> pa.Table:

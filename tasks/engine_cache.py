@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from schemas.engine import EngineConfig
+from tasks.failures import EngineLoadError, describe
 
 if TYPE_CHECKING:
     from generation import Engine
@@ -25,9 +26,14 @@ def leased_engine(config: EngineConfig, warmup: bool) -> Iterator[Engine]:
         if key not in _ENGINES:
             from generation import Engine
 
-            engine = Engine.from_config(config)
-            if warmup:
-                engine.warmup()
+            try:
+                engine = Engine.from_config(config)
+                if warmup:
+                    engine.warmup()
+            except Exception as error:
+                raise EngineLoadError(
+                    f"cannot load the engine (target {config.target.path!r}): {describe(error)}"
+                ) from error
             _ENGINES[key] = (engine, threading.Lock())
         engine, lock = _ENGINES[key]
     with lock:

@@ -9,6 +9,7 @@ skips what is already committed; a changed file (ETag, or size + mtime) gets new
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import zlib
 from dataclasses import asdict, dataclass
@@ -19,8 +20,10 @@ from fsspec import AbstractFileSystem
 from schemas.run import RunConfig
 from tasks.commit import create_exclusive
 from tasks.layout import RunLayout
+from tasks.storage import is_local
 
 SAMPLE_BYTES = 256 * 1024
+BOUNDARY_WINDOW = 64 * 1024  # a shard boundary moves to the next line start within this
 GLOB_CHARS = "*?["
 EXTENSIONS = {
     ".parquet": "parquet",
@@ -85,6 +88,11 @@ def detect_format(path: str, configured: str) -> str:
     )
 
 
+def display_uri(fs: AbstractFileSystem, path: str) -> str:
+    """`path` as the user wrote it: with its s3:// scheme (fsspec strips it), local as is."""
+    return path if is_local(fs) else fs.unstrip_protocol(path)
+
+
 def list_input_files(fs: AbstractFileSystem, pattern: str) -> tuple[list[str], str]:
     """Files matching a path, directory or glob (sorted), and the root they are named from."""
     magic = min((pattern.find(c) for c in GLOB_CHARS if c in pattern), default=-1)
@@ -99,7 +107,9 @@ def list_input_files(fs: AbstractFileSystem, pattern: str) -> tuple[list[str], s
     else:
         files, root = [], pattern
     if not files:
-        raise InputError(f"input.uri {pattern!r} matches no input files; check the path or glob")
+        raise InputError(
+            f"input.uri {display_uri(fs, pattern)!r} matches no input files; check the path or glob"
+        )
     return sorted(files), root
 
 
@@ -120,14 +130,31 @@ def _bytes_per_row(sample: bytes) -> float:
     return len(sample) / lines if lines else max(len(sample), 1)
 
 
+def _line_starts(fs, path: str, offsets: list[int], size: int) -> list[int]:
+    """For each offset, the first line start at or after it, found within BOUNDARY_WINDOW bytes
+    (one ranged read per offset, concurrent on S3); offsets with none found are dropped."""
+    if not offsets:
+        return []
+    ends = [min(offset - 1 + BOUNDARY_WINDOW, size) for offset in offsets]
+    windows = fs.cat_ranges([path] * len(offsets), [offset - 1 for offset in offsets], ends)
+    starts = []
+    for offset, window in zip(offsets, windows, strict=True):
+        newline = window.find(b"\n")
+        if newline >= 0 and offset + newline < size:
+            starts.append(offset + newline)
+    return sorted(set(starts))
+
+
 def _plan_jsonl(fs, path, source, size, fingerprint, rows_per_shard) -> list[Shard]:
+    """Even byte ranges moved to line starts, so that every shard holds at least one line (one
+    huge line does not make a run of empty shards)."""
     with fs.open(path, "rb") as file:
         bytes_per_row = _bytes_per_row(file.read(SAMPLE_BYTES))
     count = max(round(size / (bytes_per_row * rows_per_shard)), 1)
     step = -(-size // count)  # even ranges, no sliver at the end
+    bounds = [0, *_line_starts(fs, path, list(range(step, size, step)), size), size]
     shards = []
-    for start in range(0, size, step):
-        end = min(start + step, size)
+    for start, end in itertools.pairwise(bounds):
         shards.append(
             Shard(_shard_id(path, start, end, fingerprint), path, source, "jsonl", start, end, 0,
                   max(round((end - start) / bytes_per_row), 1), fingerprint)
@@ -142,7 +169,8 @@ def _plan_gzip(fs, path, source, size, fingerprint) -> list[Shard]:
     try:
         lines = inflater.decompress(compressed).count(b"\n")
     except zlib.error as error:
-        raise InputError(f"input file {path!r} is not valid gzip: {error}") from None
+        where = display_uri(fs, path)
+        raise InputError(f"input file {where!r} is not valid gzip: {error}") from None
     consumed = len(compressed) - len(inflater.unconsumed_tail)
     estimated = round(lines * size / max(consumed, 1))
     shard_id = _shard_id(path, 0, size, fingerprint)
@@ -154,7 +182,8 @@ def _plan_parquet(fs, path, source, fingerprint, rows_per_shard) -> list[Shard]:
         with fs.open(path, "rb") as file:
             metadata = pq.ParquetFile(file).metadata
     except Exception as error:
-        raise InputError(f"input file {path!r} is not readable Parquet: {error}") from None
+        where = display_uri(fs, path)
+        raise InputError(f"input file {where!r} is not readable Parquet: {error}") from None
     shards, group, first_row, rows = [], 0, 0, 0
     for index in range(metadata.num_row_groups):
         rows += metadata.row_group(index).num_rows

@@ -146,7 +146,7 @@ def read_shard(
         record_id = f"{shard.source}:{offset}"
         try:
             if isinstance(value, json.JSONDecodeError):
-                raise ValueError(f"malformed_json: {value.msg} at column {value.colno}")
+                raise ValueError(f"malformed_json: {value.msg}: column {value.colno}")
             if not isinstance(value, dict):
                 raise ValueError(f"wrong_type: record is {type(value).__name__}, expected object")
             if spec.id_field:

@@ -21,6 +21,7 @@ from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
 from schemas.run import RunConfig
 from tasks.commit import commit_shard, new_attempt_id, publish, read_manifest
 from tasks.engine_cache import leased_engine
+from tasks.failures import is_transient
 from tasks.layout import RunLayout
 from tasks.planning import Shard
 from tasks.records import BadRecord, Record, read_shard, truncate
@@ -133,6 +134,7 @@ def process_shard(config: RunConfig, layout: RunLayout, shard: Shard) -> ShardOu
     if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
         return ShardOutcome(shard.shard_id, "committed", summary)
     winner = read_manifest(layout, shard.shard_id)
+    publish(layout, winner)  # the winner may have died before publishing
     return ShardOutcome(shard.shard_id, "lost", {k: winner[k] for k in SUMMARY_FIELDS})
 
 
@@ -181,13 +183,11 @@ def _metrics_row(
 
 
 def is_io_error(task, task_run, state) -> bool:
-    """Retry storage hiccups, not bad data or engine bugs."""
+    """Retry storage hiccups, not bad data, a bad model path or engine bugs."""
     try:
         state.result()
-    except (OSError, TimeoutError):
-        return True
-    except Exception:
-        return False
+    except Exception as error:
+        return is_transient(error)
     return False
 
 

@@ -49,3 +49,23 @@ def filesystem(uri: str, storage: StorageSpec) -> tuple[AbstractFileSystem, str]
 
 def is_local(fs: AbstractFileSystem) -> bool:
     return "file" in fs.protocol if isinstance(fs.protocol, tuple) else fs.protocol == "file"
+
+
+CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "InvalidAccessKeyId",
+                     "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken")
+
+
+def credentials_problem(error: BaseException, storage: StorageSpec) -> str | None:
+    """One line saying which settings to fix when S3 has no credentials or refuses them; None
+    for any other error."""
+    text = f"{type(error).__name__}: {error}"
+    if not isinstance(error, PermissionError) and not any(n in text for n in CREDENTIAL_ERRORS):
+        return None
+    where = (f"the Prefect Secret block {storage.prefect_secret_block!r}"
+             if storage.prefect_secret_block else f"{storage.key_env} and {storage.secret_env}")
+    endpoint = storage.endpoint_url or "AWS's default endpoint"
+    return (
+        f"S3 credentials missing or refused ({text.splitlines()[0]}): set {where} (or "
+        f"storage.key_env / storage.secret_env / storage.prefect_secret_block in the config) "
+        f"to a key that may read the input and write the output at {endpoint}"
+    )
