@@ -13,7 +13,7 @@ import re
 import signal
 import socket
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -29,15 +29,20 @@ HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding", "content-length",
 
 @dataclass
 class FaultRule:
-    """Inject `fault` into the next `times` requests whose method and path match."""
+    """Inject `fault` into the next `times` requests whose method ("*": any) and path match;
+    with `once_per_path`, into the first request to each matching path only (its retry passes)."""
 
     fault: str
     method: str = "PUT"
     path_pattern: str = r"/manifests/"
     times: int = 1
+    once_per_path: bool = False
+    hit_paths: set[str] = field(default_factory=set)
 
     def matches(self, method: str, path: str) -> bool:
-        return self.times > 0 and method == self.method and re.search(self.path_pattern, path)
+        return (self.times > 0 and self.method in ("*", method)
+                and re.search(self.path_pattern, path) is not None
+                and not (self.once_per_path and path in self.hit_paths))
 
 
 class S3FaultProxy:
@@ -63,12 +68,13 @@ class S3FaultProxy:
         with self._lock:
             self.rules = list(rules)
 
-    def randomize(self, seed: int, manifest_faults: dict[str, float], any_slow_down: float):
-        """Seeded random faults: per manifest PUT, each fault with its rate; on every other
-        request, SlowDown with rate `any_slow_down`."""
+    def randomize(self, seed: int, rules: list[FaultRule], rate: float, any_slow_down: float):
+        """Seeded random faults: each request that a remaining rule matches gets that rule's
+        fault with probability `rate`; any other request gets SlowDown with `any_slow_down`."""
         with self._lock:
-            self.random = random.Random(seed)
-            self.random_rates = {"manifest": manifest_faults, "any": any_slow_down}
+            self.rules, self.random = list(rules), random.Random(seed)
+            self.random.shuffle(self.rules)
+            self.random_rates = {"rule": rate, "any": any_slow_down}
 
     def clear(self) -> None:
         with self._lock:
@@ -79,20 +85,15 @@ class S3FaultProxy:
 
     def _choose(self, method: str, path: str) -> str | None:
         with self._lock:
-            for rule in self.rules:
-                if rule.matches(method, path):
-                    rule.times -= 1
-                    return rule.fault
-            if self.random is None:
-                return None
-            draw = self.random.random()
-            if method == "PUT" and "/manifests/" in path:
-                for fault, rate in self.random_rates["manifest"].items():
-                    if draw < rate:
-                        return fault
-                    draw -= rate
-                return None
-            return "slow_down" if draw < self.random_rates["any"] else None
+            rule = next((rule for rule in self.rules if rule.matches(method, path)), None)
+            draw = self.random.random() if self.random else 0.0
+            if rule and (self.random is None or draw < self.random_rates["rule"]):
+                rule.times -= 1
+                rule.hit_paths.add(path)
+                return rule.fault
+            if self.random and not rule and draw < self.random_rates["any"]:
+                return "slow_down"
+            return None
 
     def _handler_class(self):
         proxy = self

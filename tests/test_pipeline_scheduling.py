@@ -63,6 +63,7 @@ def test_shard_tasks_retry_io_errors_with_backoff_and_nothing_else():
 
     from flows.generate import shard_task
     from schemas import parse_run_config
+    from tasks.failures import EngineLoadError
     from tasks.shard import is_io_error
 
     config = parse_run_config({
@@ -74,3 +75,9 @@ def test_shard_tasks_retry_io_errors_with_backoff_and_nothing_else():
     assert (task.retries, task.retry_delay_seconds, task.timeout_seconds) == (3, [2, 4, 8], 60)
     assert is_io_error(None, None, Failed(data=ConnectionResetError("s3 went away")))
     assert not is_io_error(None, None, Failed(data=ValueError("bad data")))
+    assert is_io_error(None, None, Failed(data=OSError(5, "503 SlowDown, retries exhausted")))
+    assert is_io_error(None, None, Failed(data=TimeoutError("read timed out")))
+    for permanent in (FileNotFoundError("no such model dir"), PermissionError("AccessDenied"),
+                      EngineLoadError("cannot load the engine"), MemoryError(),
+                      RuntimeError("CUDA out of memory")):
+        assert not is_io_error(None, None, Failed(data=permanent)), permanent
