@@ -126,6 +126,12 @@ def _quiet_prefect_logs() -> None:
         logging.getLogger(name).addFilter(_OneLineForHandledErrors())
 
 
+def _stop_info_logs() -> None:
+    """After the run, Prefect's exit notices ("Stopping temporary server") would come after our
+    verdict: the verdict stays the last line."""
+    logging.getLogger("prefect").setLevel(logging.WARNING)
+
+
 def _explain(error: Exception, config: RunConfig) -> tuple[str, int] | None:
     """(one line, exit status) for the errors a user can fix; None for anything else (a bug)."""
     from tasks.failures import RunFailed
@@ -161,10 +167,12 @@ def _generate(config: RunConfig) -> None:
             config, lambda: generate_corpus(config.model_dump(mode="json"))
         )
     except Exception as error:
+        _stop_info_logs()
         explained = _explain(error, config)
         if explained is None:
             raise
         raise _fail(*explained) from None
+    _stop_info_logs()
     _print_summary(summary)
 
 

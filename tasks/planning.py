@@ -1,7 +1,7 @@
 """Cut the input into shards without reading it all.
 
-Parquet shards are runs of whole row groups, JSONL shards are byte ranges (the reader aligns them
-to newlines: a line belongs to the range its first byte falls in), a .gz file is one shard.
+Parquet shards are runs of whole row groups, JSONL shards are byte ranges starting at line starts
+(a line belongs to the range its first byte falls in), a .gz file is one shard.
 Shard ids hash (path, range, fingerprint) so a rerun on unchanged input plans the same ids and
 skips what is already committed; a changed file (ETag, or size + mtime) gets new ids.
 """

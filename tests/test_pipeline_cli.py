@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
+import s3fs
 import yaml
 from pipeline_fixtures import good_rows, prefect_server, write_jsonl  # noqa: F401
+from s3_fault_proxy import FaultRule, S3FaultProxy
 from typer.testing import CliRunner
 
 from flows.cli import app
@@ -61,3 +63,83 @@ def test_demo_runs_end_to_end(tmp_path, smollm2_spec, prefect_server):  # noqa: 
     assert "Generated records:" in result.stdout and "Metrics:" in result.stdout
     data = ds.dataset(tmp_path / "demo" / "data", partitioning="hive").to_table()
     assert data.num_rows == 24 and len(set(data.column("id").to_pylist())) == 24
+
+
+def corpusgen(args: list[str], env: dict[str, str], timeout: int = 600):
+    command = [str(Path(sys.executable).with_name("corpusgen")), *args]
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+    return result.returncode, result.stdout + result.stderr
+
+
+def s3_input_config(tmp_path, endpoint_url: str, fs) -> Path:
+    write_jsonl(tmp_path / "in.jsonl", good_rows(4))
+    fs.put(str(tmp_path / "in.jsonl"), "corpus-test/in/in.jsonl")
+    return write_config(tmp_path, input={"uri": "s3://corpus-test/in/*.jsonl",
+                                         "prompt_field": "prompt"},
+                        output="s3://corpus-test/out", storage={"endpoint_url": endpoint_url})
+
+
+def test_a_missing_s3_input_is_named_with_its_scheme(s3_bucket, tmp_path):
+    config = write_config(tmp_path, input={"uri": "s3://corpus-test/nothing/*.jsonl",
+                                           "prompt_field": "prompt"},
+                          storage={"endpoint_url": s3_bucket["endpoint_url"]})
+    result = runner.invoke(app, ["plan", str(config)])
+    assert result.exit_code == 2
+    assert "'s3://corpus-test/nothing/*.jsonl' matches no input files" in result.output
+
+
+def test_missing_or_refused_s3_credentials_give_one_line_naming_the_variables(
+    s3_bucket, tmp_path
+):
+    fs = s3fs.S3FileSystem(endpoint_url=s3_bucket["endpoint_url"], skip_instance_cache=True)
+    no_credentials = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AWS_")},
+        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+        "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true",
+    }
+    status, output = corpusgen(
+        ["run", str(s3_input_config(tmp_path, s3_bucket["endpoint_url"], fs))], no_credentials
+    )
+    assert status == 2, output
+    assert "NoCredentialsError" in output, output
+    assert "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY" in output, output
+    assert len(output.strip().splitlines()) <= 3 and "Traceback" not in output, output
+
+    proxy = S3FaultProxy(s3_bucket["endpoint_url"])
+    proxy.inject(FaultRule("deny", "*", ".*", times=1000))
+    try:
+        status, output = corpusgen(["run", str(s3_input_config(tmp_path, proxy.url, fs))],
+                                   dict(os.environ))
+    finally:
+        proxy.close()
+    assert status == 2 and proxy.faults("deny") > 0, output
+    assert "credentials missing or refused" in output and "AWS_SECRET_ACCESS_KEY" in output
+    assert len(output.strip().splitlines()) <= 3 and "Traceback" not in output, output
+
+
+@pytest.mark.slow
+def test_a_bad_model_path_fails_the_run_in_one_line_without_retries(
+    tmp_path, prefect_server  # noqa: F811
+):
+    write_jsonl(tmp_path / "in.jsonl", good_rows(4))
+    config = write_config(tmp_path, generation={"engine": {"target": {"path": "/no/such/model"}}},
+                          shard_retries=2)
+    status, output = corpusgen(["run", str(config)], {**os.environ,
+                                                      "PREFECT_API_URL": prefect_server})
+    last_line = output.strip().splitlines()[-1]
+    assert status == 1, output
+    assert "1 shard(s) failed" in last_line and "cannot load the engine" in last_line, output
+    assert "/no/such/model" in last_line and "Traceback" not in output, output
+    assert "Retry 1/" not in output  # a missing model is not an I/O hiccup
+    assert not list((tmp_path / "out").glob("manifests/*.json"))
+
+
+def test_an_ephemeral_server_that_does_not_start_in_time_is_explained(tmp_path):
+    write_jsonl(tmp_path / "in.jsonl", good_rows(2))
+    env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
+           "PREFECT_HOME": str(tmp_path / "prefect"),
+           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}
+    status, output = corpusgen(["run", str(write_config(tmp_path))], env)
+    assert status == 1, output
+    assert "Prefect's local server did not start within 0 s" in output, output
+    assert "Traceback" not in output, output

@@ -90,6 +90,21 @@ def test_gzip_is_one_shard_and_glob_spans_files(tmp_path):
     assert sorted(r.record_id for r in good) == expected
 
 
+def test_one_huge_line_makes_no_empty_shards(tmp_path):
+    """Boundaries move to line starts: a 1 MB line among short ones is one shard, not a run of
+    empty shards that each cost an engine turn."""
+    rows = good_rows(40)
+    rows[20]["prompt"] = "x" * 1_000_000
+    write_jsonl(tmp_path / "a.jsonl", rows)
+    config = config_for(str(tmp_path / "a.jsonl"), rows_per_shard=8)
+    shards = plan_shards(LOCAL, config, str(tmp_path / "a.jsonl"))
+    assert shards[0].start == 0 and shards[-1].end == os.path.getsize(tmp_path / "a.jsonl")
+    assert all(a.end == b.start for a, b in itertools.pairwise(shards))
+    per_shard = [read_shard(LOCAL, shard, config.input, config.seed) for shard in shards]
+    assert all(good or bad for good, bad in per_shard), "an empty shard"
+    assert [r.record_id for good, _ in per_shard for r in good] == [row["id"] for row in rows]
+
+
 def test_bad_records_become_error_rows_with_reasons(tmp_path):
     planted = write_jsonl(tmp_path / "a.jsonl", good_rows(25), bad_every=5)
     assert len(planted) == len(BAD_LINES)
@@ -98,6 +113,7 @@ def test_bad_records_become_error_rows_with_reasons(tmp_path):
     assert len(good) == 25
     assert [b.reason.split(":")[0] for b in bad] == planted
     assert bad[0].raw == BAD_LINES[0][0] and bad[1].record_id == "no-prompt"
+    assert bad[0].reason == "malformed_json: Expecting value: column 30"
     assert [b.row for b in bad] == [5, 11, 17, 23, 29]  # row index within the shard
 
 
