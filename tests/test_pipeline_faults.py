@@ -163,3 +163,20 @@ def test_random_faults_and_sigkills_at_every_commit_point_end_exactly_once(
     assert proxy.faults("kill") == len(outputs) - 1 >= 2, proxy.events
     assert proxy.faults("lost_ack") >= 2, proxy.events
     assert_exactly_once(fs, {row["id"] for row in good_rows(10)})
+
+
+def test_a_worker_batch_that_fails_names_each_shard_and_its_cause(tmp_path):
+    """What a deployment's child flow reports to its parent (its state message)."""
+    from flows.generate import generate_shards, plan_run
+    from schemas import parse_run_config
+
+    write_jsonl(tmp_path / "in.jsonl", good_rows(4))
+    config = run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
+                        tiny_engine("/no/such/model"), sharding={"rows_per_shard": 2})
+    plan = plan_run(parse_run_config(config))
+    wanted = [shard.shard_id for shard in plan.shards]
+    with pytest.raises(RunFailed) as failure:
+        generate_shards(config, wanted)
+    message = str(failure.value)
+    assert f"{len(wanted)} shard(s) failed" in message
+    assert all(f"{shard_id}: EngineLoadError: cannot load" in message for shard_id in wanted)
