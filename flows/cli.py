@@ -79,12 +79,11 @@ def _run_with_progress(config: RunConfig, run: Callable[[], dict[str, Any]]) -> 
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
+    from tasks.run_summary import summary_figures
+
     table = Table(title=f"run {summary['run_id']}", show_header=False)
-    for key in ("shards_planned", "shards_committed", "ok_rows", "error_rows",
-                "generated_tokens", "tokens_per_second", "acceptance_rate",
-                "mean_accepted_length", "cost", "cost_per_1m_tokens"):
-        value = summary[key]
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    for name, value in summary_figures(summary):
+        table.add_row(name, value)
     console.print(table)
     if summary["stopped_on_budget"]:
         console.print(f"[yellow]Stopped on budget: {summary['shards_not_scheduled']} shard(s) "
@@ -108,6 +107,7 @@ class _DropThreadTimeoutNotice(logging.Filter):
 def _generate(config: RunConfig) -> None:
     from flows.generate import generate_corpus
     from tasks.planning import InputError, list_input_files
+    from tasks.quality import QualityError
     from tasks.storage import filesystem
 
     logging.getLogger("prefect.task_runs").addFilter(_DropThreadTimeoutNotice())
@@ -118,6 +118,9 @@ def _generate(config: RunConfig) -> None:
         )
     except InputError as error:
         raise _fail(error) from None
+    except QualityError as error:  # the shards are committed, but the corpus is bad
+        console.print(str(error), style="red", soft_wrap=True, markup=False)
+        raise typer.Exit(1) from None
     _print_summary(summary)
 
 

@@ -23,9 +23,10 @@ from schemas.run import RunConfig, parse_run_config
 from tasks.commit import committed_shard_ids, read_manifest, sweep_losing_attempts
 from tasks.layout import RunLayout
 from tasks.planning import Plan, Shard, new_plan, plan_shards, write_plan
+from tasks.quality import enforce_quality
 from tasks.run_summary import publish_summary_artifacts, summarize_run
 from tasks.scheduling import CostBudget, run_bounded
-from tasks.shard import generate_shard, run_layout
+from tasks.shard import generate_shard, run_layout, shard_spend
 from tasks.storage import filesystem
 
 # No postponed annotations in this module: Prefect builds the flows' parameter models from these
@@ -90,7 +91,7 @@ class _Progress:
             if manifest is None:
                 self.failed.append(shard.shard_id)
             else:
-                self.budget.record(manifest["cost"])
+                self.budget.record(shard_spend(manifest))
                 self.done += 1
         update_progress_artifact(self.artifact, self._percent())
 
@@ -162,7 +163,7 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
     )
     progress = _Progress(layout, plan, CostBudget(run.cost_cap_usd))
     for shard_id in sorted(committed):
-        progress.budget.record(read_manifest(layout, shard_id)["cost"])
+        progress.budget.record(shard_spend(read_manifest(layout, shard_id)))
     if run.dispatch.mode == "local":
         # One process, one engine: accelerator_slots bounds shards in flight here. No global
         # slot: ephemeral servers run no lease repossessor, so a SIGKILLed local run would
@@ -181,6 +182,7 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
             f"{len(progress.failed)} shard(s) failed after retries: {progress.failed[:10]}; "
             "committed shards are kept, rerun the same config to finish the run"
         )
+    enforce_quality(summary, run)
     return summary
 
 

@@ -160,7 +160,7 @@ class Engine:
         """Names and weight hashes for the metrics; a target-derived draft is `target#kind`."""
         draft, target = self.config.draft, self.config.target.path
         if draft is None:
-            draft_name = ""
+            draft_name = None
         elif draft.kind == "model":
             draft_name = draft.model.path
         else:
@@ -169,7 +169,7 @@ class Engine:
             "target_model": target,
             "target_weights_sha256": self.target_loaded.weights_sha256,
             "draft_model": draft_name,
-            "draft_weights_sha256": self.draft_loaded.weights_sha256 if self.draft_loaded else "",
+            "draft_weights_sha256": self.draft_loaded.weights_sha256 if self.draft_loaded else None,
         }
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -200,7 +200,7 @@ class Engine:
         stats.draft_forwards = now["draft_forwards"] - self._base["draft_forwards"]
         computed = now["computed"] - self._base["computed"]
         useful = now["useful"] - self._base["useful"]
-        stats.padding_waste = (computed - useful) / computed if computed else 0.0
+        stats.padding_waste = (computed - useful) / computed if computed else None
         stats.target_shapes = len(self.target.shapes)
         stats.draft_shapes = len(self._draft_runner.shapes) if self._draft_runner else 0
         stats.distinct_shapes = stats.target_shapes + stats.draft_shapes

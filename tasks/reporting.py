@@ -163,6 +163,7 @@ def build_report(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         "model_pairs": _records(con, "SELECT * FROM model_pair_summary"),
         "position_acceptance": _records(con, "SELECT * FROM position_acceptance"),
         "bucket_throughput": _records(con, "SELECT * FROM bucket_throughput"),
+        "error_reasons": _records(con, "SELECT * FROM error_reasons"),
         "costliest_shards": shards[:COSTLIEST_SHARDS],
         "shards": sorted(shards, key=lambda s: (s["run_id"], s["shard_id"])),
     }
