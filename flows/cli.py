@@ -156,6 +156,22 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
         f"{grid.batch_sizes}, prompt {grid.prompt_lengths}, cache {grid.cache_lengths}, "
         f"draft K {grid.draft_lengths}; output: {run_config.output}"
     )
+    _print_estimate(run_config, shards)
+
+
+def _print_estimate(config: RunConfig, shards: list) -> None:
+    """Rows, prompt tokens and expected cost from the tokenizer and earlier runs' metrics."""
+    from generation.loading import load_spec_tokenizer
+    from tasks.estimate import estimate_lines, estimate_run
+
+    try:
+        tokenizer = load_spec_tokenizer(config.generation.engine.target)
+    except (OSError, ValueError) as error:
+        console.print(f"no estimates: cannot load the target's tokenizer ({error})",
+                      style="yellow", soft_wrap=True, markup=False)
+        return
+    for line in estimate_lines(estimate_run(config, shards, tokenizer)):
+        console.print(line, soft_wrap=True, markup=False)
 
 
 @app.command()

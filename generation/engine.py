@@ -158,17 +158,10 @@ class Engine:
     @property
     def model_info(self) -> dict:
         """Names and weight hashes for the metrics; a target-derived draft is `target#kind`."""
-        draft, target = self.config.draft, self.config.target.path
-        if draft is None:
-            draft_name = None
-        elif draft.kind == "model":
-            draft_name = draft.model.path
-        else:
-            draft_name = f"{target}#{draft.kind}"
         return {
-            "target_model": target,
+            "target_model": self.config.target.path,
             "target_weights_sha256": self.target_loaded.weights_sha256,
-            "draft_model": draft_name,
+            "draft_model": self.config.draft_model_name(),
             "draft_weights_sha256": self.draft_loaded.weights_sha256 if self.draft_loaded else None,
         }
 
