@@ -119,22 +119,27 @@ class StorageSpec(_Strict):
 
 
 class PricingSpec(_Strict):
-    device_type: str = Field("cpu", description="key into schemas/prices.yaml")
+    device_type: str = Field("cpu", description="key into the price table")
     usd_per_device_hour: float | None = Field(None, ge=0, description="overrides the price table")
+    prices_file: str | None = Field(
+        None, description="your price table (schemas/prices.yaml's format); default that file"
+    )
 
     @model_validator(mode="after")
     def _priced(self) -> PricingSpec:
         if self.usd_per_device_hour is None:
             try:
-                price_for(load_prices(), self.device_type)
+                self.usd_per_hour()
             except UnknownDeviceError as error:
                 raise ValueError(f"{error}; or set pricing.usd_per_device_hour") from None
+            except OSError as error:
+                raise ValueError(f"pricing.prices_file: {error}") from None
         return self
 
     def usd_per_hour(self) -> float:
         if self.usd_per_device_hour is not None:
             return self.usd_per_device_hour
-        return price_for(load_prices(), self.device_type).usd_per_hour
+        return price_for(load_prices(self.prices_file), self.device_type).usd_per_hour
 
 
 class DispatchSpec(_Strict):

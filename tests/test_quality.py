@@ -60,6 +60,23 @@ def test_guards_name_what_failed_and_pass_within_the_limits():
     assert quality_problems(summary_with(ok_rows=4, empty_completions=1), strict)
 
 
+def test_summary_figures_are_named_and_blank_when_undefined():
+    from tasks.run_summary import COUNT_FIELDS, FIGURE_FIELDS, cost_report_markdown, summary_figures
+
+    summary = {**summary_with(error_rows=6, error_reasons=[{"reason": "missing_field", "rows": 6}]),
+               **dict.fromkeys(COUNT_FIELDS, 0), "error_rows": 6, **dict.fromkeys(FIGURE_FIELDS),
+               "shards_committed": 1, "shards_planned": 1, "stopped_on_budget": False,
+               "cost": 0.0001, "engine_load_cost": 0.0002, "total_cost": 0.0003,
+               "data": "d/", "metrics": "m/"}
+    figures = dict(summary_figures(summary))
+    assert figures["rows ok / error"] == "0 / 6 of 6"
+    assert figures["error reasons"] == "missing_field 6"
+    assert figures["acceptance rate"] == figures["total cost per 1M tokens"] == "n/a"
+    assert figures["total cost"] == "$0.000300"
+    markdown = cost_report_markdown(summary, 0.4, "cpu")
+    assert "| engine load cost | $0.000200 (n/a s) |" in markdown
+
+
 def test_every_row_failing_exits_non_zero_and_report_on_zero_tokens_exits_0(
     tmp_path, tiny_llama_dir
 ):
