@@ -1,6 +1,6 @@
 -- corpusgen metrics views: the SQL a BI tool (Grafana, Superset, Metabase, a DuckDB shell) can
 -- point at. `corpusgen report OUTPUT_URI --views` prints this file with {output_uri} filled in.
--- Only committed shards count: a shard is committed when <output_uri>/manifests/<shard_id>.json
+-- Only committed shards count: a shard is committed when <output_uri>/manifests/<run_id>.<shard_id>.json
 -- exists, and only the metrics files that manifest lists are its metrics (a retried attempt's
 -- leftover files are ignored).
 

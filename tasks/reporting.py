@@ -89,7 +89,8 @@ def open_committed_metrics(
     if not fs.glob(f"{root}/manifests/*.json"):
         raise NoMetricsError(
             f"no committed shards under {root}/manifests/ (a shard is committed when "
-            "manifests/<shard_id>.json exists); check OUTPUT_URI and that a run finished a shard"
+            "manifests/<run_id>.<shard_id>.json exists); check OUTPUT_URI and that a run "
+            "finished a shard"
         )
     con = _connect()
     if "://" in root:
