@@ -239,3 +239,18 @@ def test_plain_prompts_on_smollm2_get_answers_and_raw_text_trips_the_empty_guard
         generate_corpus(raw)
     (metrics,) = read(tmp_path / "raw", "metrics")
     assert metrics["chat_template"] == "raw" and metrics["empty_completions"] > 8
+
+
+def test_report_reads_outputs_written_before_the_new_columns(tmp_path):
+    """Metrics files from before empty_completions/engine_load_* existed: those read as null."""
+    import pyarrow.parquet as pq
+    from reporting_fixtures import metrics_row, write_shard
+
+    path = write_shard(str(tmp_path), metrics_row("old-run", "s0"))
+    old = pq.read_table(path)
+    pq.write_table(old.select(old.column_names[: old.column_names.index("finished_at") + 1]), path)
+    result = runner.invoke(app, ["report", str(tmp_path), "--format", "json"])
+    assert result.exit_code == 0, result.output
+    total = json.loads(result.stdout)["total"]
+    assert total["generated_tokens"] == 1000 and total["empty_completions"] is None
+    assert total["engine_load_cost"] == 0 and total["total_cost"] == pytest.approx(total["cost"])
