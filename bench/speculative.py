@@ -33,6 +33,11 @@ ENGINES = {
 }
 
 
+
+def _rounded(ratio: float | None) -> float | None:
+    """Undefined ratios (plain decoding proposes nothing) stay None in the JSON."""
+    return None if ratio is None else round(ratio, 3)
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
@@ -71,8 +76,8 @@ def main() -> None:
                     rates.setdefault(key, []).append(sum(len(c.token_ids) for c in done) / seconds)
                     stats = engine.stats
                     acceptance[key] = {
-                        "acceptance_rate": round(stats.acceptance_rate, 3),
-                        "mean_accepted_length": round(stats.mean_accepted_length, 3),
+                        "acceptance_rate": _rounded(stats.acceptance_rate),
+                        "mean_accepted_length": _rounded(stats.mean_accepted_length),
                         "steps_per_k": stats.steps_per_k,
                     }
                     outputs.setdefault(f"{set_name}/b{b}", []).append([c.token_ids for c in done])

@@ -82,12 +82,11 @@ def _run_with_progress(config: RunConfig, run: Callable[[], dict[str, Any]]) -> 
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
+    from tasks.run_summary import summary_figures
+
     table = Table(title=f"run {summary['run_id']}", show_header=False)
-    for key in ("shards_planned", "shards_committed", "ok_rows", "error_rows",
-                "generated_tokens", "tokens_per_second", "acceptance_rate",
-                "mean_accepted_length", "cost", "cost_per_1m_tokens"):
-        value = summary[key]
-        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    for name, value in summary_figures(summary):
+        table.add_row(name, value)
     console.print(table)
     if summary["stopped_on_budget"]:
         console.print(f"[yellow]Stopped on budget: {summary['shards_not_scheduled']} shard(s) "
@@ -114,8 +113,10 @@ class _OneLineForHandledErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         from tasks.failures import EngineLoadError, RunFailed
+        from tasks.quality import QualityError
 
-        if record.exc_info and isinstance(record.exc_info[1], EngineLoadError | RunFailed):
+        handled = EngineLoadError | RunFailed | QualityError
+        if record.exc_info and isinstance(record.exc_info[1], handled):
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -136,13 +137,14 @@ def _explain(error: Exception, config: RunConfig) -> tuple[str, int] | None:
     """(one line, exit status) for the errors a user can fix; None for anything else (a bug)."""
     from tasks.failures import RunFailed
     from tasks.planning import InputError
+    from tasks.quality import QualityError
     from tasks.storage import credentials_problem
 
     if isinstance(error, InputError):
         return str(error), 2
     if (problem := credentials_problem(error, config.storage)) is not None:
         return problem, 2
-    if isinstance(error, RunFailed):
+    if isinstance(error, RunFailed | QualityError):  # QualityError: committed, but a bad corpus
         return str(error), 1
     if "ephemeral Prefect API server" in str(error):
         return (
@@ -208,6 +210,22 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
         f"{grid.batch_sizes}, prompt {grid.prompt_lengths}, cache {grid.cache_lengths}, "
         f"draft K {grid.draft_lengths}; output: {run_config.output}"
     )
+    _print_estimate(run_config, shards)
+
+
+def _print_estimate(config: RunConfig, shards: list) -> None:
+    """Rows, prompt tokens and expected cost from the tokenizer and earlier runs' metrics."""
+    from generation.loading import load_spec_tokenizer
+    from tasks.estimate import estimate_lines, estimate_run
+
+    try:
+        tokenizer = load_spec_tokenizer(config.generation.engine.target)
+    except (OSError, ValueError) as error:
+        console.print(f"no estimates: cannot load the target's tokenizer ({error})",
+                      style="yellow", soft_wrap=True, markup=False)
+        return
+    for line in estimate_lines(estimate_run(config, shards, tokenizer)):
+        console.print(line, soft_wrap=True, markup=False)
 
 
 @app.command()

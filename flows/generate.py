@@ -30,9 +30,10 @@ from tasks.commit import (
 from tasks.failures import RunFailed, run_failure_message, state_failure
 from tasks.layout import RunLayout
 from tasks.planning import Plan, Shard, new_plan, plan_shards, write_plan
+from tasks.quality import enforce_quality
 from tasks.run_summary import publish_summary_artifacts, summarize_run
 from tasks.scheduling import CostBudget, run_bounded
-from tasks.shard import generate_shard, run_layout
+from tasks.shard import generate_shard, run_layout, shard_spend
 from tasks.storage import filesystem
 
 # No postponed annotations in this module: Prefect builds the flows' parameter models from these
@@ -98,7 +99,7 @@ class _Progress:
             if manifest is None:
                 self.failed[shard.shard_id] = failure or "finished without a commit"
             else:
-                self.budget.record(manifest["cost"])
+                self.budget.record(shard_spend(manifest))
                 self.done += 1
         update_progress_artifact(self.artifact, self._percent())
 
@@ -177,7 +178,7 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
     )
     progress = _Progress(layout, plan, CostBudget(run.cost_cap_usd))
     for shard_id in sorted(committed):
-        progress.budget.record(read_manifest(layout, shard_id)["cost"])
+        progress.budget.record(shard_spend(read_manifest(layout, shard_id)))
     if run.dispatch.mode == "local":
         # One process, one engine: accelerator_slots bounds shards in flight here. No global
         # slot: ephemeral servers run no lease repossessor, so a SIGKILLed local run would
@@ -197,6 +198,7 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
         raise RunFailed(run_failure_message(layout.run_id, broken, "committed but not intact"))
     if progress.failed:
         raise RunFailed(run_failure_message(layout.run_id, progress.failed, "failed"))
+    enforce_quality(summary, run)
     return summary
 
 

@@ -28,6 +28,7 @@ from tasks.dashboard import (
     rate,
     render_dashboard,
     text,
+    usd,
 )
 from tasks.reporting import (
     NoMetricsError,
@@ -89,6 +90,11 @@ def _position_table(rows: list[dict[str, Any]]) -> Table:
     return table
 
 
+ERROR_REASON_COLUMNS: list[Column] = [
+    ("run_id", "run", text), ("reason", "reason", text), ("rows", "rows", count),
+]
+
+
 def _bucket_columns() -> list[Column]:
     return [
         ("device_type", "device", text), ("draft_kind", "draft kind", text),
@@ -102,8 +108,12 @@ def _print_tables(report: dict[str, Any]) -> None:
     total = report["total"]
     console.print(
         f"[bold]{total['shards']} committed shards[/], {total['generated_tokens']:,} tokens, "
-        f"cost ${total['cost']:.4g}, ${total['cost_per_1m_tokens']:.4g} per 1M tokens, "
-        f"acceptance {rate(total['acceptance_rate'])}, {total['error_rows']:,} error rows"
+        f"{total['error_rows']:,} error rows, {total['empty_completions'] or 0:,} empty "
+        f"completions, acceptance {rate(total['acceptance_rate'])}\n"
+        f"generation cost {usd(total['cost'])} + engine load {usd(total['engine_load_cost'])} "
+        f"({decimal(total['engine_load_seconds'])} s) = total {usd(total['total_cost'])}, "
+        f"{usd(total['total_cost_per_1m_tokens'])} per 1M tokens",
+        soft_wrap=True,
     )
     console.print(_rich_table("Prices used ($ per device-hour)", report["prices"], PRICE_COLUMNS))
     console.print(_rich_table("Runs", report["runs"], RUN_COLUMNS))
@@ -113,6 +123,9 @@ def _print_tables(report: dict[str, Any]) -> None:
     console.print(_rich_table("Tokens/s by batch bucket", report["bucket_throughput"],
                               _bucket_columns()))  # fmt: skip
     console.print(_rich_table("Costliest shards", report["costliest_shards"], SHARD_COLUMNS))
+    reasons = [row for row in report["error_reasons"] if row["level"] == "run"]
+    if reasons:
+        console.print(_rich_table("Error rows by reason", reasons, ERROR_REASON_COLUMNS))
 
 
 def report(

@@ -158,18 +158,11 @@ class Engine:
     @property
     def model_info(self) -> dict:
         """Names and weight hashes for the metrics; a target-derived draft is `target#kind`."""
-        draft, target = self.config.draft, self.config.target.path
-        if draft is None:
-            draft_name = ""
-        elif draft.kind == "model":
-            draft_name = draft.model.path
-        else:
-            draft_name = f"{target}#{draft.kind}"
         return {
-            "target_model": target,
+            "target_model": self.config.target.path,
             "target_weights_sha256": self.target_loaded.weights_sha256,
-            "draft_model": draft_name,
-            "draft_weights_sha256": self.draft_loaded.weights_sha256 if self.draft_loaded else "",
+            "draft_model": self.config.draft_model_name(),
+            "draft_weights_sha256": self.draft_loaded.weights_sha256 if self.draft_loaded else None,
         }
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -200,7 +193,7 @@ class Engine:
         stats.draft_forwards = now["draft_forwards"] - self._base["draft_forwards"]
         computed = now["computed"] - self._base["computed"]
         useful = now["useful"] - self._base["useful"]
-        stats.padding_waste = (computed - useful) / computed if computed else 0.0
+        stats.padding_waste = (computed - useful) / computed if computed else None
         stats.target_shapes = len(self.target.shapes)
         stats.draft_shapes = len(self._draft_runner.shapes) if self._draft_runner else 0
         stats.distinct_shapes = stats.target_shapes + stats.draft_shapes

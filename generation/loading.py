@@ -45,11 +45,10 @@ def file_sha256(path: Path) -> str:
 
 def resolve_model_dir(spec: ModelSpec) -> Path:
     """A local HF directory for `spec`, converting (and caching) GGUF files on first use."""
-    if spec.path.startswith(PACKAGED_PREFIX):
-        return _cached_gguf_dir(packaged_gguf(spec.path[len(PACKAGED_PREFIX) :]))
+    gguf = _gguf_file(spec)
+    if gguf is not None:
+        return _cached_gguf_dir(gguf)
     path = Path(spec.path).expanduser()
-    if path.suffix == ".gguf" and path.is_file():
-        return _cached_gguf_dir(path)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise FileNotFoundError(
@@ -58,9 +57,33 @@ def resolve_model_dir(spec: ModelSpec) -> Path:
     )
 
 
+def _gguf_file(spec: ModelSpec) -> Path | None:
+    if spec.path.startswith(PACKAGED_PREFIX):
+        return packaged_gguf(spec.path[len(PACKAGED_PREFIX) :])
+    path = Path(spec.path).expanduser()
+    return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def load_spec_tokenizer(spec: ModelSpec):
+    """The tokenizer alone, without loading or converting weights (for `corpusgen plan`)."""
+    gguf = _gguf_file(spec)
+    if gguf is None:
+        return load_tokenizer(resolve_model_dir(spec))
+    converted = _converted_dir(gguf)
+    if (converted / "config.json").is_file():
+        return load_tokenizer(converted)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+
+
+def _converted_dir(gguf: Path) -> Path:
+    return cache_root() / "gguf" / file_sha256(gguf)
+
+
 def _cached_gguf_dir(gguf: Path) -> Path:
-    digest = file_sha256(gguf)
-    target = cache_root() / "gguf" / digest
+    target = _converted_dir(gguf)
+    digest = target.name
     if (target / "config.json").is_file():
         return target
     tmp = target.with_name(f"{digest}.tmp-{os.getpid()}")

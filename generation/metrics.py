@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 class EngineStats:
     tokens_generated: int = 0
     prompt_tokens: int = 0
-    padding_waste: float = 0.0  # padded / computed token slots, all forwards of all models
+    padding_waste: float | None = None  # padded / computed slots, all forwards; None: none ran
     batch_bucket_max: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0
@@ -34,12 +34,13 @@ class EngineStats:
     steps_per_k: dict[int, int] = field(default_factory=dict)  # batch steps by K (0 = plain)
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.proposed if self.proposed else 0.0
+    def acceptance_rate(self) -> float | None:
+        """None when nothing was proposed: undefined, not zero acceptance."""
+        return self.accepted / self.proposed if self.proposed else None
 
     @property
-    def mean_accepted_length(self) -> float:
-        return 1.0 + self.accepted / self.rounds if self.rounds else 0.0
+    def mean_accepted_length(self) -> float | None:
+        return 1.0 + self.accepted / self.rounds if self.rounds else None
 
     def record_step(self, k: int) -> None:
         self.steps_per_k[k] = self.steps_per_k.get(k, 0) + 1

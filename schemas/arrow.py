@@ -18,6 +18,7 @@ DATA_SCHEMA = pa.schema(
         pa.field("proposed", pa.int32()),
         pa.field("accepted", pa.int32()),
         pa.field("seed", pa.int64()),
+        pa.field("sample_index", pa.int32(), metadata={"doc": "0..samples_per_prompt-1"}),
     ]
 )
 
@@ -66,7 +67,11 @@ METRICS_SCHEMA = pa.schema(
         pa.field("decode_seconds", pa.float64()),
         pa.field("draft_seconds", pa.float64()),
         pa.field("verify_seconds", pa.float64()),
-        pa.field("wall_seconds", pa.float64(), metadata={"doc": "the shard task's wall time"}),
+        pa.field(
+            "wall_seconds",
+            pa.float64(),
+            metadata={"doc": "seconds the shard held the engine, its load excluded"},
+        ),
         pa.field("tokens_per_second", pa.float64(), metadata={"doc": "generated / wall seconds"}),
         pa.field("device_type", pa.string(), metadata={"doc": "pricing key, e.g. gaudi2, cpu"}),
         pa.field("device_count", pa.int32()),
@@ -84,5 +89,40 @@ METRICS_SCHEMA = pa.schema(
         pa.field("config_hash", pa.string()),
         pa.field("started_at", pa.timestamp("us", tz="UTC")),
         pa.field("finished_at", pa.timestamp("us", tz="UTC")),
+        pa.field(
+            "empty_completions", pa.int64(), metadata={"doc": "ok rows whose completion is blank"}
+        ),
+        pa.field(
+            "error_reasons",
+            pa.list_(pa.struct([("reason", pa.string()), ("rows", pa.int64())])),
+            metadata={"doc": "error rows per reason class (the reason up to its first colon)"},
+        ),
+        pa.field(
+            "engine_load_seconds",
+            pa.float64(),
+            metadata={"doc": "engine load + warm-up, on the shard that loaded it (else 0)"},
+        ),
+        pa.field(
+            "engine_load_cost",
+            pa.float64(),
+            metadata={"doc": "engine_load_seconds x device_count / 3600 x price"},
+        ),
+        pa.field("worker_name", pa.string(), metadata={"doc": "Prefect worker, else host name"}),
+        pa.field(
+            "device_card",
+            pa.string(),
+            metadata={"doc": "HABANA_VISIBLE_MODULES / CUDA_VISIBLE_DEVICES of the worker"},
+        ),
+        pa.field("flow_run_id", pa.string(), metadata={"doc": "Prefect flow run of the shard"}),
+        pa.field(
+            "sampling_params",
+            pa.string(),
+            metadata={"doc": "JSON: generation.sampling + samples_per_prompt"},
+        ),
+        pa.field(
+            "chat_template",
+            pa.string(),
+            metadata={"doc": "chat: prompts sent through the chat template; raw: as text"},
+        ),
     ]
 )

@@ -124,6 +124,14 @@ class EngineConfig(_Strict):
         "core in every parallel region. None keeps torch's default",
     )
 
+    def draft_model_name(self) -> str | None:
+        """The metrics' draft_model: its path, `target#kind` for a target-derived draft, None."""
+        if self.draft is None:
+            return None
+        if self.draft.kind == "model":
+            return self.draft.model.path
+        return f"{self.target.path}#{self.draft.kind}"
+
     @model_validator(mode="after")
     def _k_on_grid(self) -> EngineConfig:
         k = self.num_draft_tokens

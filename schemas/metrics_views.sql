@@ -1,6 +1,6 @@
 -- corpusgen metrics views: the SQL a BI tool (Grafana, Superset, Metabase, a DuckDB shell) can
 -- point at. `corpusgen report OUTPUT_URI --views` prints this file with {output_uri} filled in.
--- Only committed shards count: a shard is committed when <output_uri>/manifests/<shard_id>.json
+-- Only committed shards count: a shard is committed when <output_uri>/manifests/<run_id>.<shard_id>.json
 -- exists, and only the metrics files that manifest lists are its metrics (a retried attempt's
 -- leftover files are ignored).
 
@@ -30,6 +30,9 @@ SELECT m.*,
        m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour)
            / nullif(m.generated_tokens, 0) * 1e6 AS report_cost_per_1m_tokens,
        o.usd_per_hour IS NOT NULL AS repriced,
+       -- engine load + warm-up, billed apart from the shard that happened to load the engine
+       m.engine_load_seconds * m.device_count / 3600
+           * coalesce(o.usd_per_hour, m.price_per_device_hour) AS report_engine_load_cost,
        -- "target <- draft" by file name (the draft model for kind=model, else the kind), for legends
        regexp_extract(m.target_model, '[^/]+$') || ' <- '
            || CASE WHEN m.draft_kind = 'model' THEN regexp_extract(m.draft_model, '[^/]+$')
@@ -65,7 +68,14 @@ SELECT CASE WHEN grouping(run_id) = 0 THEN 'run'
            / nullif(sum(prompt_tokens + generated_tokens), 0) AS padding_waste,
        string_agg(DISTINCT device_type, ',' ORDER BY device_type) AS device_types,
        string_agg(DISTINCT draft_kind, ',' ORDER BY draft_kind) AS draft_kinds,
-       string_agg(DISTINCT model_pair, ', ' ORDER BY model_pair) AS model_pairs
+       string_agg(DISTINCT model_pair, ', ' ORDER BY model_pair) AS model_pairs,
+       sum(empty_completions) AS empty_completions,
+       coalesce(sum(engine_load_seconds), 0) AS engine_load_seconds,
+       coalesce(sum(report_engine_load_cost), 0) AS engine_load_cost,
+       -- generation (shard) cost + engine load cost: what the run spent in all
+       sum(report_cost) + coalesce(sum(report_engine_load_cost), 0) AS total_cost,
+       (sum(report_cost) + coalesce(sum(report_engine_load_cost), 0))
+           / nullif(sum(generated_tokens), 0) * 1e6 AS total_cost_per_1m_tokens
 FROM shard_costs
 GROUP BY GROUPING SETS ((run_id), (target_model, draft_model, draft_kind, device_type), ());
 
@@ -101,6 +111,17 @@ SELECT device_type, draft_kind, batch_bucket, count(*) AS shards,
 FROM metrics
 GROUP BY device_type, draft_kind, batch_bucket
 ORDER BY device_type, draft_kind, batch_bucket;
+
+-- Error rows by reason class, per run and over all runs (run_id NULL), most frequent first.
+CREATE OR REPLACE VIEW error_reasons AS
+WITH reasons AS (
+    SELECT run_id, unnest(error_reasons) AS item FROM metrics
+)
+SELECT CASE WHEN grouping(run_id) = 0 THEN 'run' ELSE 'total' END AS level,
+       run_id, item.reason AS reason, sum(item.rows) AS rows
+FROM reasons
+GROUP BY GROUPING SETS ((run_id, item.reason), (item.reason))
+ORDER BY level, run_id, rows DESC, reason;
 
 -- Every committed shard, costliest first.
 CREATE OR REPLACE VIEW costliest_shards AS

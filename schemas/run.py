@@ -35,6 +35,9 @@ class InputSpec(_Strict):
 
     Exactly one of `prompt_field` (plain text), `template` (`{field}` placeholders filled from the
     record) or `messages_field` (a chat: list of {"role", "content"}) says how to build the prompt.
+    Plain prompts are sent as one user message through the model's chat template (`auto`, when
+    the tokenizer has one: instruct models answer raw text with nothing), or as raw text (`off`,
+    for base models).
     """
 
     uri: str = Field(description="file, directory or glob; local path or s3://bucket/key")
@@ -43,6 +46,12 @@ class InputSpec(_Strict):
     prompt_field: str | None = None
     template: str | None = None
     messages_field: str | None = None
+    chat_template: Literal["auto", "off"] = Field(
+        "auto", description="auto: plain prompts go through the tokenizer's chat template if any"
+    )
+    system_prompt: str | None = Field(
+        None, description="system message for plain prompts sent through the chat template"
+    )
 
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSpec:
@@ -56,6 +65,18 @@ class InputSpec(_Strict):
             fields = template_fields(self.template)
             if not fields:
                 raise ValueError("input.template needs at least one {field} placeholder")
+        if self.system_prompt is not None and self.messages_field:
+            raise ValueError(
+                "input.system_prompt applies to prompt_field/template inputs; with "
+                "messages_field put a {'role': 'system'} message first in each chat"
+            )
+        if self.system_prompt is not None and self.chat_template == "off":
+            raise ValueError("input.system_prompt needs input.chat_template: auto")
+        if self.messages_field and self.chat_template == "off":
+            raise ValueError(
+                "input.chat_template: off sends raw text, but messages_field chats need the "
+                "template; use prompt_field/template for raw text"
+            )
         return self
 
 
@@ -77,6 +98,9 @@ class GenerationSpec(_Strict):
     engine: EngineConfig
     sampling: SamplingParams = SamplingParams()
     warmup: bool = Field(True, description="compile/run every grid shape once per worker")
+    samples_per_prompt: int = Field(
+        1, ge=1, description="completions per record, each with its own derived seed"
+    )
 
 
 class ShardingSpec(_Strict):
@@ -95,22 +119,27 @@ class StorageSpec(_Strict):
 
 
 class PricingSpec(_Strict):
-    device_type: str = Field("cpu", description="key into schemas/prices.yaml")
+    device_type: str = Field("cpu", description="key into the price table")
     usd_per_device_hour: float | None = Field(None, ge=0, description="overrides the price table")
+    prices_file: str | None = Field(
+        None, description="your price table (schemas/prices.yaml's format); default that file"
+    )
 
     @model_validator(mode="after")
     def _priced(self) -> PricingSpec:
         if self.usd_per_device_hour is None:
             try:
-                price_for(load_prices(), self.device_type)
+                self.usd_per_hour()
             except UnknownDeviceError as error:
                 raise ValueError(f"{error}; or set pricing.usd_per_device_hour") from None
+            except OSError as error:
+                raise ValueError(f"pricing.prices_file: {error}") from None
         return self
 
     def usd_per_hour(self) -> float:
         if self.usd_per_device_hour is not None:
             return self.usd_per_device_hour
-        return price_for(load_prices(), self.device_type).usd_per_hour
+        return price_for(load_prices(self.prices_file), self.device_type).usd_per_hour
 
 
 class DispatchSpec(_Strict):
@@ -136,6 +165,12 @@ class RunConfig(_Strict):
         "corpusgen-accelerators", description="Prefect global concurrency limit name"
     )
     seed: int = 0
+    max_error_fraction: float = Field(
+        0.5, ge=0, le=1, description="fail the run when more of its rows are error rows"
+    )
+    max_empty_fraction: float = Field(
+        0.5, ge=0, le=1, description="fail the run when more of its completions are blank"
+    )
     pricing: PricingSpec = PricingSpec()
     cost_cap_usd: float | None = Field(None, gt=0)
     dispatch: DispatchSpec = DispatchSpec()

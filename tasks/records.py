@@ -11,7 +11,7 @@ import hashlib
 import io
 import json
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import pyarrow.parquet as pq
@@ -22,7 +22,7 @@ from tasks.planning import Shard
 
 RAW_LIMIT = 500
 CHAT_ROLES = {"system", "user", "assistant"}
-Prompt = str | list[dict[str, str]]
+Prompt = str | list[dict[str, str]] | list[int]  # token ids once rendered
 
 
 @dataclass(frozen=True)
@@ -30,8 +30,9 @@ class Record:
     row: int
     record_id: str
     prompt: Prompt
-    prompt_text: str  # what the data table stores (chats as JSON)
+    prompt_text: str  # chats as JSON until rendered; then the exact text sent
     seed: int
+    sample_index: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,17 @@ def record_seed(run_seed: int, record_id: str) -> int:
     """A per-record seed from (run seed, record id): stable across reruns and shard layouts."""
     digest = hashlib.sha256(f"{run_seed}:{record_id}".encode()).digest()
     return int.from_bytes(digest[:8], "big") >> 1
+
+
+def with_samples(records: list[Record], samples: int, run_seed: int) -> list[Record]:
+    """`samples` copies of each record; copy i > 0 gets the seed of id `<id>#<i>`, so sample 0
+    keeps the seed a single-sample run uses and every sample stays stable across reruns."""
+    return [
+        replace(record, sample_index=i,
+                seed=record.seed if i == 0 else record_seed(run_seed, f"{record.record_id}#{i}"))
+        for record in records
+        for i in range(samples)
+    ]
 
 
 def _jsonl_lines(

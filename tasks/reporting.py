@@ -89,7 +89,8 @@ def open_committed_metrics(
     if not fs.glob(f"{root}/manifests/*.json"):
         raise NoMetricsError(
             f"no committed shards under {root}/manifests/ (a shard is committed when "
-            "manifests/<shard_id>.json exists); check OUTPUT_URI and that a run finished a shard"
+            "manifests/<run_id>.<shard_id>.json exists); check OUTPUT_URI and that a run "
+            "finished a shard"
         )
     con = _connect()
     if "://" in root:
@@ -106,18 +107,20 @@ def _narrow_metrics(
     """Snapshot the runs/dates asked for into `metrics`; fail if that leaves nothing.
 
     A table, not a view: every section then sees the same shards even while a run commits more,
-    and remote files are read once.
+    and remote files are read once. Outputs written before a column was added get it as null.
     """
     con.execute(
         "CREATE TABLE report_filter AS SELECT ?::VARCHAR[] AS run_ids, ?::DATE AS since",
         [list(run_ids) if run_ids else None, since],
     )
-    con.execute(
+    con.register("metrics_schema", METRICS_SCHEMA.empty_table())
+    con.execute(  # BY NAME with the empty schema: columns added since a file was written are null
         """DROP VIEW metrics;
         CREATE TABLE metrics AS
         SELECT m.* FROM committed_metrics AS m, report_filter AS f
         WHERE (f.run_ids IS NULL OR list_contains(f.run_ids, m.run_id))
-          AND (f.since IS NULL OR m.run_date >= f.since)"""
+          AND (f.since IS NULL OR m.run_date >= f.since)
+        UNION ALL BY NAME SELECT * FROM metrics_schema"""
     )
     if not con.execute("SELECT count(*) FROM metrics").fetchone()[0]:
         runs = con.execute("SELECT DISTINCT run_id FROM committed_metrics ORDER BY 1").fetchall()
@@ -163,6 +166,7 @@ def build_report(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         "model_pairs": _records(con, "SELECT * FROM model_pair_summary"),
         "position_acceptance": _records(con, "SELECT * FROM position_acceptance"),
         "bucket_throughput": _records(con, "SELECT * FROM bucket_throughput"),
+        "error_reasons": _records(con, "SELECT * FROM error_reasons"),
         "costliest_shards": shards[:COSTLIEST_SHARDS],
         "shards": sorted(shards, key=lambda s: (s["run_id"], s["shard_id"])),
     }

@@ -9,13 +9,13 @@ from __future__ import annotations
 import datetime as dt
 import os
 import socket
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from prefect.logging import get_run_logger
 
 from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
 from schemas.run import RunConfig
@@ -24,7 +24,10 @@ from tasks.engine_cache import leased_engine
 from tasks.failures import is_transient
 from tasks.layout import RunLayout
 from tasks.planning import Shard
-from tasks.records import BadRecord, Record, read_shard, truncate
+from tasks.prompting import prompt_format, render_records
+from tasks.provenance import provenance
+from tasks.quality import blank_count, error_reason_counts
+from tasks.records import BadRecord, Record, read_shard, truncate, with_samples
 from tasks.storage import filesystem
 
 # Metrics columns copied as-is from engine.stats / engine.model_info / engine.draft_kind.
@@ -36,7 +39,7 @@ ENGINE_METRIC_FIELDS = (
     "draft_weights_sha256", "draft_kind",
 )
 SUMMARY_FIELDS = ("input_rows", "ok_rows", "error_rows", "generated_tokens", "cost",
-                  "wall_seconds")
+                  "wall_seconds", "engine_load_cost", "empty_completions", "acceptance_rate")
 
 
 def worker_id() -> str:
@@ -84,6 +87,7 @@ def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
             "proposed": completion.proposed,
             "accepted": completion.accepted,
             "seed": record.seed,
+            "sample_index": record.sample_index,
         }
         for record, completion in zip(records, completions, strict=True)
     ]
@@ -100,14 +104,17 @@ def process_shard(config: RunConfig, layout: RunLayout, shard: Shard) -> ShardOu
     manifest = read_manifest(layout, shard.shard_id)
     if manifest is not None:
         publish(layout, manifest)
-        return ShardOutcome(shard.shard_id, "skipped", {k: manifest[k] for k in SUMMARY_FIELDS})
-    started_at, started = dt.datetime.now(dt.UTC), time.perf_counter()
+        return ShardOutcome(shard.shard_id, "skipped", summary_of(manifest))
+    started_at = dt.datetime.now(dt.UTC)
     input_fs, _ = filesystem(config.input.uri, config.storage)
     records, bad = read_shard(input_fs, shard, config.input, config.seed)
     input_rows = len(records) + len(bad)
     generation = config.generation
-    with leased_engine(generation.engine, generation.warmup) as engine:
+    with leased_engine(generation.engine, generation.warmup) as lease:
+        engine = lease.engine
+        records, unrenderable = render_records(engine.tokenizer, records, config.input)
         records, too_long = _drop_too_long(engine, records)
+        records = with_samples(records, generation.samples_per_prompt, config.seed)
         engine.reset_stats()
         completions = (
             engine.generate([r.prompt for r in records], generation.sampling,
@@ -116,26 +123,43 @@ def process_shard(config: RunConfig, layout: RunLayout, shard: Shard) -> ShardOu
         )
         engine_stats = {**engine.stats.as_dict(), **engine.model_info,
                         "draft_kind": engine.draft_kind}
+        chat_template = prompt_format(engine.tokenizer, config.input)
+        held_seconds = lease.held_seconds()
     ok = [(r, c) for r, c in zip(records, completions, strict=True) if c.finish_reason != "error"]
-    bad += too_long + [
+    bad += unrenderable + too_long + [
         BadRecord(r.row, r.record_id, f"engine_error: {c.error}", truncate(r.prompt_text))
         for r, c in zip(records, completions, strict=True) if c.finish_reason == "error"
     ]
     data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad)
-    metrics = _metrics_row(
-        config, layout, shard, engine_stats,
-        input_rows=input_rows, ok_rows=data.num_rows, error_rows=errors.num_rows,
-        generated=sum(len(c.token_ids) for _, c in ok),
-        wall=time.perf_counter() - started, started_at=started_at,
-    )
+    metrics = {
+        **_metrics_row(
+            config, layout, shard, engine_stats,
+            input_rows=input_rows, ok_rows=data.num_rows, error_rows=errors.num_rows,
+            generated=sum(len(c.token_ids) for _, c in ok),
+            wall=held_seconds, load_seconds=lease.load_seconds, started_at=started_at,
+        ),
+        "empty_completions": blank_count([c.text for _, c in ok]),
+        "error_reasons": error_reason_counts(bad),
+        **provenance(generation, chat_template),
+    }
     tables = {"data": data, "errors": errors,
               "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
-    summary = {k: metrics[k] for k in SUMMARY_FIELDS}
+    summary = summary_of(metrics)
     if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
         return ShardOutcome(shard.shard_id, "committed", summary)
     winner = read_manifest(layout, shard.shard_id)
     publish(layout, winner)  # the winner may have died before publishing
-    return ShardOutcome(shard.shard_id, "lost", {k: winner[k] for k in SUMMARY_FIELDS})
+    return ShardOutcome(shard.shard_id, "lost", summary_of(winner))
+
+
+def summary_of(manifest_or_metrics: dict[str, Any]) -> dict[str, Any]:
+    """SUMMARY_FIELDS of a metrics row or manifest (manifests written before a field: None)."""
+    return {k: manifest_or_metrics.get(k) for k in SUMMARY_FIELDS}
+
+
+def shard_spend(summary: dict[str, Any]) -> float:
+    """What a committed shard cost, its engine load included (what the cost cap counts)."""
+    return summary["cost"] + (summary.get("engine_load_cost") or 0.0)
 
 
 def _metrics_row(
@@ -149,9 +173,10 @@ def _metrics_row(
     error_rows: int,
     generated: int,
     wall: float,
+    load_seconds: float,
     started_at: dt.datetime,
 ) -> dict[str, Any]:
-    """The shard's METRICS_SCHEMA row: engine counters + rows, time and what it cost."""
+    """The shard's engine counters, rows, time and what it cost; `wall` is engine-held time."""
     from generation import ENGINE_VERSION  # lazily: torch stays out of `corpusgen plan`
 
     price = config.pricing.usd_per_hour()
@@ -168,7 +193,7 @@ def _metrics_row(
         "generated_tokens": generated,
         "batch_bucket": engine_stats["batch_bucket_max"],
         "wall_seconds": wall,
-        "tokens_per_second": generated / wall if wall else 0.0,
+        "tokens_per_second": generated / wall if wall else None,
         "device_type": config.pricing.device_type,
         "device_count": config.devices_per_slot,
         "device_seconds": device_seconds,
@@ -179,6 +204,8 @@ def _metrics_row(
         "config_hash": config.config_hash(),
         "started_at": started_at,
         "finished_at": dt.datetime.now(dt.UTC),
+        "engine_load_seconds": load_seconds,
+        "engine_load_cost": load_seconds * config.devices_per_slot / 3600 * price,
     }
 
 
@@ -199,4 +226,17 @@ def is_io_error(task, task_run, state) -> bool:
 def generate_shard(config: RunConfig, run_date: str, shard: Shard) -> ShardOutcome:
     """One Prefect task per shard, run by a process that holds an accelerator slot."""
     fs, root = filesystem(config.output, config.storage)
-    return process_shard(config, RunLayout(fs, root, config.resolved_run_id(), run_date), shard)
+    outcome = process_shard(config, RunLayout(fs, root, config.resolved_run_id(), run_date), shard)
+    log_outcome(get_run_logger(), outcome)
+    return outcome
+
+
+def log_outcome(logger, outcome: ShardOutcome) -> None:
+    s = outcome.summary
+    acceptance = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"
+    logger.info(
+        "shard %s %s: %s rows in, %s ok (%s empty), %s errors, %s tokens, acceptance %s, "
+        "%.2f s on the engine, cost $%.6f", outcome.shard_id, outcome.status, s["input_rows"],
+        s["ok_rows"], s["empty_completions"], s["error_rows"], s["generated_tokens"], acceptance,
+        s["wall_seconds"], s["cost"],
+    )

@@ -113,3 +113,15 @@ def test_config_cannot_carry_credentials(monkeypatch):
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "hunter2")
     config = parse_run_config(VALID, ["storage.endpoint_url=http://127.0.0.1:9"])
     assert "hunter2" not in config.model_dump_json()
+
+
+def test_prices_file_prices_the_run_and_a_missing_one_is_a_config_error(tmp_path):
+    prices = tmp_path / "contract-prices.yaml"
+    prices.write_text("gaudi2: {usd_per_hour: 0.85, as_of: 2026-11-01, source: our contract}\n")
+    pricing = {"device_type": "gaudi2", "prices_file": str(prices)}
+    assert parse_run_config({**VALID, "pricing": pricing}).pricing.usd_per_hour() == 0.85
+    with pytest.raises(ConfigError, match=r"pricing: .*'cpu'.*known"):
+        parse_run_config({**VALID, "pricing": {**pricing, "device_type": "cpu"}})
+    missing = {**pricing, "prices_file": str(tmp_path / "nope.yaml")}
+    with pytest.raises(ConfigError, match=r"pricing\.prices_file: .*nope\.yaml"):
+        parse_run_config({**VALID, "pricing": missing})

@@ -1,0 +1,117 @@
+"""`corpusgen plan` estimates, before any device time is spent.
+
+Rows and prompt tokens come from reading the input and rendering every prompt exactly as a
+shard will (chat template included) with the target's tokenizer alone, no weights loaded.
+Generated tokens, time and cost come from the committed metrics of earlier runs under the same
+output with the same model pair and device type, when there are any; otherwise only the upper
+bound (every sample runs to max_new_tokens) is known.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from schemas.run import RunConfig
+from tasks.planning import Shard
+from tasks.prompting import prompt_format, render_records
+from tasks.records import read_shard
+from tasks.reporting import NoMetricsError, open_committed_metrics
+from tasks.storage import filesystem, storage_options
+
+HISTORY_SQL = """
+SELECT count(DISTINCT run_id) AS runs, count(*) AS shards,
+       sum(generated_tokens) / nullif(sum(ok_rows), 0) AS tokens_per_row,
+       sum(generated_tokens) / nullif(sum(wall_seconds), 0) AS tokens_per_second,
+       avg(engine_load_seconds) FILTER (WHERE engine_load_seconds > 0) AS load_seconds
+FROM metrics
+WHERE target_model = $target AND draft_model IS NOT DISTINCT FROM $draft
+  AND draft_kind = $kind AND device_type = $device
+"""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    rows: int  # records read
+    bad_rows: int  # unreadable, or without a usable prompt
+    too_long: int  # prompts longer than the largest prompt bucket
+    prompt_tokens: int  # of the prompts that fit, after templating
+    chat_template: str  # chat | raw
+    samples: int  # completions to generate (prompts that fit x samples_per_prompt)
+    max_generated_tokens: int  # every sample runs to max_new_tokens
+    history: dict[str, Any] | None  # earlier runs with the same model pair and device
+    expected_generated_tokens: int | None
+    expected_device_seconds: float | None  # generation + one engine load per engine
+    expected_cost: float | None  # at this config's price
+
+
+def _history(config: RunConfig) -> dict[str, Any] | None:
+    engine = config.generation.engine
+    try:
+        con = open_committed_metrics(
+            config.output, storage_options(config.output, config.storage)
+        )
+    except NoMetricsError:
+        return None
+    cursor = con.execute(HISTORY_SQL, {
+        "target": engine.target.path, "draft": engine.draft_model_name(),
+        "kind": engine.draft.kind if engine.draft else "none",
+        "device": config.pricing.device_type,
+    })
+    row = dict(zip([c[0] for c in cursor.description], cursor.fetchone(), strict=True))
+    return row if row["shards"] and row["tokens_per_second"] else None
+
+
+def estimate_run(config: RunConfig, shards: list[Shard], tokenizer: Any) -> Estimate:
+    input_fs, _ = filesystem(config.input.uri, config.storage)
+    max_prompt = config.generation.engine.bucket_grid.max_prompt
+    rows = bad_rows = too_long = prompt_tokens = fits = 0
+    for shard in shards:
+        good, bad = read_shard(input_fs, shard, config.input, config.seed)
+        rendered, unrenderable = render_records(tokenizer, good, config.input)
+        lengths = [len(record.prompt) for record in rendered]
+        rows += len(good) + len(bad)
+        bad_rows += len(bad) + len(unrenderable)
+        too_long += sum(1 for n in lengths if n > max_prompt)
+        prompt_tokens += sum(n for n in lengths if n <= max_prompt)
+        fits += sum(1 for n in lengths if n <= max_prompt)
+    generation = config.generation
+    samples = fits * generation.samples_per_prompt
+    max_tokens = samples * generation.sampling.max_new_tokens
+    history = _history(config)
+    expected_tokens = seconds = cost = None
+    if history:
+        expected_tokens = round(min(history["tokens_per_row"], generation.sampling.max_new_tokens)
+                                * samples)
+        engines = 1 if config.dispatch.mode == "local" else min(
+            config.accelerator_slots, -(-len(shards) // config.dispatch.shards_per_run))
+        load = (history["load_seconds"] or 0.0) * engines
+        seconds = (expected_tokens / history["tokens_per_second"] + load) * config.devices_per_slot
+        cost = seconds / 3600 * config.pricing.usd_per_hour()
+    return Estimate(rows, bad_rows, too_long, prompt_tokens, prompt_format(tokenizer, config.input),
+                    samples, max_tokens, history, expected_tokens, seconds, cost)
+
+
+def estimate_lines(estimate: Estimate) -> list[str]:
+    """The estimate in words, for the CLI."""
+    e = estimate
+    lines = [
+        f"rows: {e.rows} read, {e.bad_rows} unusable, {e.too_long} prompts too long for the "
+        f"grid; {e.samples} completions to generate",
+        f"prompt tokens ({e.chat_template} prompts): {e.prompt_tokens:,}",
+        f"generated tokens: at most {e.max_generated_tokens:,}",
+    ]
+    if e.history is None:
+        lines.append("expected time and cost: no committed runs with this model pair and device "
+                     "under this output yet")
+        return lines
+    h = e.history
+    lines += [
+        f"expected generated tokens: {e.expected_generated_tokens:,} "
+        f"({h['tokens_per_row']:.1f} per completion in {h['runs']} earlier run(s), "
+        f"{h['shards']} shards)",
+        f"expected device time: {e.expected_device_seconds:,.0f} s at "
+        f"{h['tokens_per_second']:.1f} tokens/s, engine load included; "
+        f"expected cost: ${e.expected_cost:.4f}",
+    ]
+    return lines
