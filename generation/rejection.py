@@ -31,7 +31,7 @@ def verify(
     if params.greedy:
         return _keep_while_equal(target_logits.argmax(-1), draft_tokens)
     if draws.keys is not None:
-        return _keep_while_equal(coupled_choice(target_logits, params, draws.keys), draft_tokens)
+        return _keep_while_equal(coupled_choice(target_logits, params, draws), draft_tokens)
     return _rejection_sampling(target_logits, draft_tokens, draft_probs, params, draws.uniforms)
 
 

@@ -10,7 +10,7 @@ Rejection mode keeps each record's uniform stream (inverse CDF), consumed 2K + 1
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -94,14 +94,13 @@ def probabilities(logits: torch.Tensor, params: SamplingParams, exact: bool = Tr
 
 
 def coupled_choice(
-    logits: torch.Tensor, params: SamplingParams, keys: torch.Tensor, exact: bool = True
+    logits: torch.Tensor, params: SamplingParams, draws: Draws, exact: bool = True
 ) -> torch.Tensor:
-    """argmax(logits / T + g) over the allowed tokens: [..., vocab] logits, [..., 2] keys."""
+    """argmax(logits / T + g) over the allowed tokens, for [..., vocab] logits."""
     values, ids = allowed_logits(logits, params, exact)
     if ids is None:
-        vocabulary = torch.arange(values.shape[-1], device=values.device)
-        return gumbel(keys, vocabulary).add_(values).argmax(-1)
-    best = gumbel(keys, ids).add_(values).argmax(-1, keepdim=True)
+        return (values + draws.vocabulary_noise(values.shape[-1])).argmax(-1)
+    best = gumbel(draws.keys, ids).add_(values).argmax(-1, keepdim=True)
     return ids.gather(-1, best).squeeze(-1)
 
 
@@ -113,7 +112,7 @@ def sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return choice.clamp_(max=probs.shape[-1] - 1)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Draws:
     """The randomness of one step for a batch, fixed before any token of it is chosen.
 
@@ -123,12 +122,24 @@ class Draws:
 
     keys: torch.Tensor | None = None
     uniforms: torch.Tensor | None = None
+    _parent: tuple[Draws, int] | None = None  # (the step's draws, position) of a slice
+    _noise: torch.Tensor | None = field(default=None, repr=False)
 
     def at(self, j: int) -> Draws:
         """The draws for the token at the step's j-th position (a plain step or draft step j)."""
         if self.keys is not None:
-            return Draws(keys=self.keys[:, j])
+            return Draws(keys=self.keys[:, j], _parent=(self, j))
         return Draws(uniforms=self.uniforms[:, j])
+
+    def vocabulary_noise(self, vocab: int) -> torch.Tensor:
+        """Gumbel noise for every token [..., vocab], made once per step: the draft's steps
+        and the verifier read the same positions."""
+        if self._parent is not None:
+            step, j = self._parent
+            return step.vocabulary_noise(vocab)[:, j]
+        if self._noise is None:
+            self._noise = gumbel(self.keys, torch.arange(vocab, device=self.keys.device))
+        return self._noise
 
 
 def choose(logits: torch.Tensor, params: SamplingParams, draws: Draws | None) -> torch.Tensor:
@@ -136,7 +147,7 @@ def choose(logits: torch.Tensor, params: SamplingParams, draws: Draws | None) ->
     if params.greedy:
         return logits.argmax(-1)
     if draws.keys is not None:
-        return coupled_choice(logits, params, draws.keys)
+        return coupled_choice(logits, params, draws)
     return sample(probabilities(logits, params), draws.uniforms)
 
 
@@ -148,7 +159,7 @@ def draft_choice(
     if params.greedy:
         return logits.argmax(-1), None
     if draws.keys is not None:
-        return coupled_choice(logits, params, draws.keys, exact=False), None
+        return coupled_choice(logits, params, draws, exact=False), None
     probs = probabilities(logits, params, exact=False)
     return sample(probs, draws.uniforms), probs
 
