@@ -64,8 +64,9 @@ def allowed_logits(
     """logits / T with top-k and top-p applied (others -inf): (values, their token ids).
 
     ids None means values cover the whole vocabulary. Top-p looks at the TOP_P_CANDIDATES
-    largest logits; `exact` sorts the whole vocabulary instead when some row's nucleus reaches
-    past them (a host sync); a draft passes exact=False, as its proposals need not be exact.
+    largest logits. Where a row's nucleus reaches past them (a flat distribution), `exact`
+    sorts the whole vocabulary (a host sync), while a draft (exact=False: its proposals need
+    not be exact) keeps that row's whole vocabulary, a superset of the nucleus, without a sync.
     Ties at the nucleus edge are all kept, so the set does not depend on sort order.
     """
     scaled = logits.float() / params.temperature
@@ -73,16 +74,27 @@ def allowed_logits(
         return scaled, None
     width = min(scaled.shape[-1], params.top_k or TOP_P_CANDIDATES)
     values, ids = scaled.topk(width, dim=-1)
-    if params.top_p < 1.0:
-        log_total = (values if params.top_k else scaled).logsumexp(-1, keepdim=True)
-        probs = (values - log_total).exp()
-        if exact and not params.top_k and bool((probs.sum(-1) < params.top_p).any()):
-            values, ids = scaled.sort(dim=-1, descending=True)
-            probs = (values - log_total).exp()
-        in_nucleus = probs.cumsum(-1) - probs < params.top_p
-        edge = values.masked_fill(~in_nucleus, float("inf")).amin(-1, keepdim=True)
-        values = values.masked_fill(values < edge, float("-inf"))
-    return values, ids
+    if params.top_p >= 1.0:
+        return values, ids
+    log_total = (values if params.top_k else scaled).logsumexp(-1, keepdim=True)
+    edge = _nucleus_edge(values, log_total, params.top_p)
+    if params.top_k:  # the top-k set holds the whole (renormalised) distribution
+        return values.masked_fill(values < edge, float("-inf")), ids
+    contained = (values - log_total).exp().sum(-1, keepdim=True) >= params.top_p
+    if not exact:
+        edge = edge.masked_fill(~contained, float("-inf"))
+    elif bool(contained.all()):
+        return values.masked_fill(values < edge, float("-inf")), ids
+    else:
+        edge = _nucleus_edge(scaled.sort(dim=-1, descending=True).values, log_total, params.top_p)
+    return scaled.masked_fill(scaled < edge, float("-inf")), None
+
+
+def _nucleus_edge(descending: torch.Tensor, log_total: torch.Tensor, top_p: float):
+    """The smallest logit whose preceding probability mass is below top_p: [..., 1]."""
+    probs = (descending - log_total).exp()
+    in_nucleus = probs.cumsum(-1) - probs < top_p
+    return descending.masked_fill(~in_nucleus, float("inf")).amin(-1, keepdim=True)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams, exact: bool = True) -> torch.Tensor:
