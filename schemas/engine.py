@@ -166,7 +166,7 @@ class SamplingParams(_Strict):
     verification: Literal["coupled", "rejection"] = Field(
         "coupled",
         description="coupled: per-position seeded noise, a completion is the same with any "
-        "draft, K and batch; rejection: rejection sampling, slightly higher acceptance, but "
+        "draft, K and batch; rejection: rejection sampling, higher acceptance, but "
         "completions depend on K and the draft",
     )
 
