@@ -24,12 +24,13 @@ from generation.proposers import CATCH_UP_WIDTHS, ModelProposer, PromptLookupPro
 from generation.quantize import quantized_copy
 from generation.rejection import verify
 from generation.runner import ModelRunner, bucket
-from generation.sampling import RowRandom, choose
+from generation.sampling import RowRandom, choose, step_draws
 from generation.types import Completion
 from schemas import EngineConfig, ModelSpec, SamplingParams
 
 ENGINE_VERSION = "0.1.0"
-Prompt = str | list[dict] | list[int]
+Prompt = str | list[dict] | list[int] | torch.Tensor  # a tensor: 1-D integer token ids
+PROMPT_KINDS = "a prompt is a string, a list of chat messages, a list of token ids or a 1-D tensor"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -93,6 +94,30 @@ def _check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+def _tensor_token_ids(prompt: torch.Tensor) -> list[int]:
+    """A tensor prompt is read as token ids: 1-D and of an integer dtype, or it is refused."""
+    dtype = prompt.dtype
+    if prompt.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
+        raise TypeError(
+            f"a tensor prompt must hold token ids: 1-D, integer dtype; got shape "
+            f"{tuple(prompt.shape)} and dtype {prompt.dtype}"
+        )
+    return prompt.tolist()
+
+
+def _check_seeds(seeds: Sequence[int] | None, prompts: int) -> None:
+    if seeds is None:
+        return
+    if len(seeds) != prompts:
+        raise ValueError(
+            f"seeds has {len(seeds)} entries for {prompts} prompts; pass one seed per prompt, "
+            "or none (every prompt then uses params.seed)"
+        )
+    bad = next((i for i, seed in enumerate(seeds) if not isinstance(seed, int)), None)
+    if bad is not None:
+        raise TypeError(f"seeds[{bad}] is {seeds[bad]!r}; a seed is an int")
+
+
 class Engine:
     def __init__(
         self,
@@ -112,7 +137,8 @@ class Engine:
         self.proposer = proposer
         fixed = None if config.num_draft_tokens == "auto" else config.num_draft_tokens
         self.chooser = DraftLengthChooser(self.grid.draft_lengths, fixed)
-        self.max_draft = self.grid.draft_lengths[-1] if proposer else 0
+        # Room for a verify round is kept with or without a draft, so both stop at one length.
+        self.max_draft = self.grid.draft_lengths[-1]
         self._stop_ids = target.eos_ids  # plus the call's stop_token_ids, set per generate()
         self.reset_stats()
 
@@ -168,14 +194,18 @@ class Engine:
     def encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer(prompt).input_ids
-        if prompt and all(isinstance(t, int) for t in prompt):
+        if isinstance(prompt, torch.Tensor):
+            return _tensor_token_ids(prompt)
+        if not isinstance(prompt, list | tuple):
+            raise TypeError(f"{PROMPT_KINDS}; got a {type(prompt).__name__}")
+        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
             return list(prompt)
         if prompt and all(isinstance(m, dict) for m in prompt):
             text = self.tokenizer.apply_chat_template(
                 prompt, tokenize=False, add_generation_prompt=True
             )
             return self.tokenizer(text, add_special_tokens=False).input_ids
-        raise TypeError("a prompt is a string, a list of chat messages, or a list of token ids")
+        raise TypeError(PROMPT_KINDS)
 
     def count_prompt_tokens(self, prompt: Prompt) -> int:
         return len(self.encode(prompt))
@@ -236,12 +266,13 @@ class Engine:
         self, prompts: Sequence[Prompt], params: SamplingParams, seeds: Sequence[int] | None = None
     ) -> list[Completion]:
         started = time.perf_counter()
+        _check_seeds(seeds, len(prompts))
         self._stop_ids = self.target_loaded.eos_ids | set(params.stop_token_ids)
         results: list[Completion | None] = [None] * len(prompts)
         waiting: deque[_Row] = deque()
         for index, prompt in enumerate(prompts):
             row, error = self._admit_row(
-                index, prompt, params, seeds[index] if seeds else params.seed
+                index, prompt, params, params.seed if seeds is None else seeds[index]
             )
             if error:
                 results[index] = Completion(
@@ -281,7 +312,7 @@ class Engine:
     def _admit_row(self, index: int, prompt: Prompt, params: SamplingParams, seed: int):
         try:
             ids = self.encode(prompt)
-        except (TypeError, ValueError) as exc:
+        except Exception as exc:  # e.g. a chat template failing on a message: this record only
             return None, f"unusable prompt: {exc}"
         row = _Row(index, ids, len(ids), RowRandom(seed))
         if not ids:
@@ -311,8 +342,8 @@ class Engine:
         logits = self.target.prefill(prompts, rows)
         if self.proposer:
             self.proposer.prefill(prompts, rows)
-        uniforms = self._uniforms([row for _, row in admitted], 1, params)
-        first = choose(logits, params, uniforms[:, 0]).tolist()
+        draws = self._draws([row for _, row in admitted], 1, params)
+        first = choose(logits, params, draws.at(0) if draws else None).tolist()
         for (slot, row), token in zip(admitted, first, strict=True):
             slots[slot] = row
             row.draft_seen = row.prompt_len
@@ -325,8 +356,9 @@ class Engine:
         tokens = torch.tensor([[row.tokens[-1] if row else 0] for row in batch])
         starts = torch.tensor([len(row.tokens) - 1 if row else 0 for row in batch])
         logits = self.target.decode(tokens, starts, sum(1 for row in batch if row))[:, 0]
-        uniforms = self._uniforms(batch, 1, params)
-        for row, token in zip(batch, choose(logits, params, uniforms[:, 0]).tolist(), strict=True):
+        draws = self._draws(batch, 1, params)
+        chosen = choose(logits, params, draws.at(0) if draws else None).tolist()
+        for row, token in zip(batch, chosen, strict=True):
             if row:
                 self._append(row, [token], params)
         self._stats.decode_seconds += time.perf_counter() - started
@@ -334,21 +366,19 @@ class Engine:
     def _speculative_step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> None:
         """One round: draft K per row, verify [b, K+1] in one target forward, keep per row."""
         live = [row for row in batch if row]
-        uniforms = self._uniforms(batch, 2 * k + 1, params)  # K draft draws, K tests, 1 final
+        draws = self._draws(batch, k + 1, params)  # the K + 1 positions this round may fill
         started = time.perf_counter()
         contexts = [row.tokens if row else None for row in batch]
         seen = [row.draft_seen if row else 0 for row in batch]
-        draft_tokens, draft_probs = self.proposer.propose(
-            contexts, seen, k, params, uniforms[:, :k]
-        )
+        draft_tokens, draft_probs = self.proposer.propose(contexts, seen, k, params, draws)
         drafted = time.perf_counter()
-        last = torch.tensor([[row.tokens[-1] if row else 0] for row in batch])
+        draft_tokens = draft_tokens.to(self.device)
+        last = torch.tensor([[row.tokens[-1] if row else 0] for row in batch], device=self.device)
         starts = torch.tensor([len(row.tokens) - 1 if row else 0 for row in batch])
         logits = self.target.decode(torch.cat([last, draft_tokens], 1), starts, len(live))
-        accepted, next_token = verify(
-            logits, draft_tokens.to(logits.device), draft_probs, params, uniforms[:, k:]
-        )
+        accepted, next_token = verify(logits, draft_tokens, draft_probs, params, draws)
         accepted, next_token = accepted.tolist(), next_token.tolist()
+        draft_tokens = draft_tokens.tolist()
         self._stats.draft_seconds += drafted - started
         self._stats.verify_seconds += time.perf_counter() - drafted
         counts = []
@@ -364,7 +394,7 @@ class Engine:
             row.accepted_per_position += [0] * (k - len(row.accepted_per_position))
             for position in range(kept):
                 row.accepted_per_position[position] += 1
-            self._append(row, [*draft_tokens[i, :kept].tolist(), next_token[i]], params)
+            self._append(row, [*draft_tokens[i][:kept], next_token[i]], params)
         self._stats.record_round(k, counts)
         self.chooser.observe(k, counts)
 
@@ -374,17 +404,10 @@ class Engine:
 
         return self.chooser.choose(target_seconds, lambda k: self.proposer.seconds_for(width, k))
 
-    def _uniforms(
-        self, batch: list[_Row | None], count: int, params: SamplingParams
-    ) -> torch.Tensor:
-        if params.greedy:
-            return torch.zeros(len(batch), count, dtype=torch.float64)
-        return torch.stack(
-            [
-                row.rng.uniforms(count) if row else torch.zeros(count, dtype=torch.float64)
-                for row in batch
-            ]
-        )
+    def _draws(self, batch: list[_Row | None], positions: int, params: SamplingParams):
+        """The randomness for the next `positions` tokens of each row (None when greedy)."""
+        rows = [(row.rng, len(row.tokens)) if row else None for row in batch]
+        return step_draws(rows, positions, params, self.device)
 
     def _append(self, row: _Row, new_tokens: list[int], params: SamplingParams) -> None:
         """Commit tokens to a row, stopping at EOS / stop ids / stop strings / length limits."""

@@ -12,10 +12,9 @@ import numpy as np
 import torch
 
 from generation.runner import ModelRunner, bucket
-from generation.sampling import choose, probabilities
+from generation.sampling import Draws, draft_choice
 from schemas import SamplingParams
-
-CATCH_UP_WIDTHS = [2, 4, 8, 16, 32, 64]  # first-step widths: how far the draft lags
+from schemas.engine import CATCH_UP_WIDTHS
 
 
 class ModelProposer:
@@ -49,12 +48,13 @@ class ModelProposer:
         seen: list[int],
         k: int,
         params: SamplingParams,
-        uniforms: torch.Tensor,
+        draws: Draws | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens [b, K] and, when sampling, their probabilities [b, K, vocab].
+        """Draft tokens [b, K] and, under rejection verification, their probabilities [b, K, V].
 
         `contexts[i]` is None for an idle row (it runs at position 0 of its own free cache row);
-        `seen[i]` is how many of row i's context tokens the draft cache holds.
+        `seen[i]` is how many of row i's context tokens the draft cache holds. Drafted tokens
+        stay on the device between steps: no host sync until the verifier's results are read.
         """
         started = time.perf_counter()
         lag = max(len(ctx) - done for ctx, done in zip(contexts, seen, strict=True) if ctx)
@@ -72,10 +72,10 @@ class ModelProposer:
         drafted, probs = [], []
         for step in range(k):
             logits = self.runner.decode(tokens, starts, live, logit_index=last)[:, 0]
-            if not params.greedy:
-                probs.append(probabilities(logits, params))
-            token = choose(logits, params, uniforms[:, step]).cpu()
+            token, token_probs = draft_choice(logits, params, draws.at(step) if draws else None)
             drafted.append(token)
+            if token_probs is not None:
+                probs.append(token_probs)
             starts = (starts + last[:, 0] + 1).masked_fill(idle, 0)
             tokens, last = token[:, None], torch.zeros_like(last)
         self.seconds += time.perf_counter() - started
@@ -101,7 +101,7 @@ class PromptLookupProposer:
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         """Nothing to precompute: the context itself is the draft's whole state."""
 
-    def propose(self, contexts, seen, k, params, uniforms):
+    def propose(self, contexts, seen, k, params, draws):
         started = time.perf_counter()
         drafts = [self._lookup(ctx, k) if ctx else [0] * k for ctx in contexts]
         self.seconds += time.perf_counter() - started

@@ -13,6 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 PACKAGED_PREFIX = "packaged:"
 PACKAGED_MODELS = ("smollm2-135m-instruct",)
 DType = Literal["float32", "bfloat16", "float16"]
+# First-step widths of a model draft: how far its cache may lag the context (K auto runs plain
+# steps that skip the draft). Here, not in generation/, so configs can be checked without torch.
+CATCH_UP_WIDTHS = [2, 4, 8, 16, 32, 64]
+MIN_TEMPERATURE = 1e-3  # below it logits / T overflow float32 (1e-40 gave NaN); 0 means greedy
 
 
 class _Strict(BaseModel):
@@ -142,17 +146,65 @@ class EngineConfig(_Strict):
             )
         return self
 
+    @model_validator(mode="after")
+    def _cache_holds_draft_catch_up(self) -> EngineConfig:
+        """A model draft under K auto may lag by up to the widest catch-up window."""
+        model_draft = self.draft is not None and self.draft.kind != "prompt_lookup"
+        widest, largest = CATCH_UP_WIDTHS[-1], self.bucket_grid.max_cache
+        if model_draft and self.num_draft_tokens == "auto" and largest < widest:
+            raise ValueError(
+                f"bucket_grid.cache_lengths: the largest cache length ({largest}) is below the "
+                f"draft catch-up width ({widest}) a {self.draft.kind!r} draft needs with "
+                f"num_draft_tokens='auto'; add a cache length >= {widest} or fix "
+                "num_draft_tokens to one of bucket_grid.draft_lengths"
+            )
+        return self
+
 
 class SamplingParams(_Strict):
     """How to pick tokens. temperature 0 means greedy."""
 
     max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
+    temperature: float = Field(0.0, ge=0.0, description=f"0 (greedy) or >= {MIN_TEMPERATURE}")
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0, description="0 disables top-k")
     stop: list[str] = []
     stop_token_ids: list[int] = []
     seed: int = 0
+    verification: Literal["coupled", "rejection"] = Field(
+        "coupled",
+        description="coupled: per-position seeded noise, a completion is the same with any "
+        "draft, K and batch; rejection: rejection sampling, higher acceptance, but "
+        "completions depend on K and the draft",
+    )
+
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, temperature: float) -> float:
+        if 0.0 < temperature < MIN_TEMPERATURE:
+            raise ValueError(
+                f"temperature {temperature:g} is below {MIN_TEMPERATURE:g}, where logits / "
+                "temperature overflow; use 0 for greedy decoding or a temperature "
+                f">= {MIN_TEMPERATURE:g}"
+            )
+        return temperature
+
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop_string(cls, stop: list[str]) -> list[str]:
+        if any(s == "" for s in stop):
+            raise ValueError(
+                f"stop contains an empty string (at index {stop.index('')}), which every "
+                "text contains: it would end each completion after one token; remove it"
+            )
+        return stop
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _token_ids_not_negative(cls, ids: list[int]) -> list[int]:
+        if any(i < 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be token ids >= 0, got {ids}")
+        return ids
 
     @property
     def greedy(self) -> bool:

@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from generation import Engine
-from schemas import BucketGrid, EngineConfig, ModelSpec
+from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec
 
 SMALL_GRID = BucketGrid(
     batch_sizes=[1, 2, 4], prompt_lengths=[16, 32], cache_lengths=[64, 96], draft_lengths=[2, 4]
@@ -39,3 +39,14 @@ def hf_greedy(model_dir, engine: Engine, prompts, max_new_tokens: int) -> list[l
 def engine_for(model_dir, **overrides) -> Engine:
     config = dict(target=ModelSpec(path=str(model_dir)), device="cpu", bucket_grid=SMALL_GRID)
     return Engine.from_config(EngineConfig(**(config | overrides)))
+
+
+def drafts(target_dir, other_dir) -> dict[str, DraftSpec]:
+    """Every draft kind: another model, the target itself, quantized copies, prompt lookup."""
+    return {
+        "independent-model": DraftSpec(kind="model", model=ModelSpec(path=str(other_dir))),
+        "same-model": DraftSpec(kind="model", model=ModelSpec(path=str(target_dir))),
+        "quantized-int8": DraftSpec(kind="quantized", dtype="int8"),
+        "quantized-bf16": DraftSpec(kind="quantized", dtype="bfloat16"),
+        "prompt-lookup": DraftSpec(kind="prompt_lookup", ngram_max=3),
+    }

@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 import torch
-from engine_helpers import SMALL_GRID, engine_for, hf_greedy, varied_prompts
+from engine_helpers import SMALL_GRID, drafts, engine_for, hf_greedy, varied_prompts
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -15,16 +15,6 @@ from schemas import DraftSpec, ModelSpec, SamplingParams
 
 BATCH_1_AND_8 = SMALL_GRID.model_copy(update={"batch_sizes": [1, 8]})
 BATCH_1_ONLY = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
-
-
-def drafts(target_dir, other_dir) -> dict[str, DraftSpec]:
-    return {
-        "independent-model": DraftSpec(kind="model", model=ModelSpec(path=str(other_dir))),
-        "same-model": DraftSpec(kind="model", model=ModelSpec(path=str(target_dir))),
-        "quantized-int8": DraftSpec(kind="quantized", dtype="int8"),
-        "quantized-bf16": DraftSpec(kind="quantized", dtype="bfloat16"),
-        "prompt-lookup": DraftSpec(kind="prompt_lookup", ngram_max=3),
-    }
 
 
 @pytest.mark.parametrize("grid", [BATCH_1_ONLY, BATCH_1_AND_8], ids=["batch1", "batch8"])
@@ -162,31 +152,72 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2))
 
 
-@pytest.mark.slow
-def test_speculative_sampling_keeps_the_target_distribution(tmp_path):
-    """20,000 seeded samples, speculative vs the exact target distribution; false alarm 1e-3."""
-    target_dir = tiny_vocab_model(tmp_path / "target", seed=11)
-    draft_dir = tiny_vocab_model(tmp_path / "draft", seed=12)
-    prompt, temperature, samples = [3, 5, 7], 1.0, 20_000
-    exact = exact_pair_distribution(target_dir, prompt, temperature)
-    draft_exact = exact_pair_distribution(draft_dir, prompt, temperature)
-    assert 0.5 * (exact - draft_exact).abs().sum() > 0.25  # the draft clearly differs
+PROMPT, TEMPERATURE, SAMPLES = [3, 5, 7], 1.0, 30_000
+FALSE_ALARM = 1e-3
 
+
+@pytest.fixture(scope="module")
+def vocab16_pair(tmp_path_factory):
+    """A 16-token target, an independent 16-token draft, and both exact (x2, x3) distributions."""
+    root = tmp_path_factory.mktemp("vocab16")
+    target_dir = tiny_vocab_model(root / "target", seed=11)
+    draft_dir = tiny_vocab_model(root / "draft", seed=12)
+    exact = exact_pair_distribution(target_dir, PROMPT, TEMPERATURE)
+    draft_exact = exact_pair_distribution(draft_dir, PROMPT, TEMPERATURE)
+    assert 0.5 * (exact - draft_exact).abs().sum() > 0.25  # the draft clearly differs
+    return target_dir, draft_dir, exact, draft_exact
+
+
+def shifted_by(exact: torch.Tensor, towards: torch.Tensor, total_variation: float):
+    """`exact` with `total_variation` of its mass moved towards another distribution."""
+    distance = 0.5 * (exact - towards).abs().sum()
+    return exact + total_variation / distance * (towards - exact)
+
+
+def test_chi_square_test_detects_a_two_percent_shift(vocab16_pair):
+    """Power check: with SAMPLES draws, a sampler 2 % (total variation) off the target, towards
+    the draft, fails the test below nearly always, and an exact one passes it."""
+    _, _, exact, draft_exact = vocab16_pair
+    shifted = shifted_by(exact, draft_exact, 0.02)
+    generator = torch.Generator().manual_seed(0)
+
+    def counts(probs: torch.Tensor) -> torch.Tensor:
+        draws = torch.multinomial(probs.flatten(), SAMPLES, replacement=True, generator=generator)
+        return draws.bincount(minlength=VOCAB * VOCAB).view(VOCAB, VOCAB)
+
+    trials = 60
+    detected = sum(chi_square_p_value(counts(shifted), exact) < FALSE_ALARM for _ in range(trials))
+    passed = sum(chi_square_p_value(counts(exact), exact) > FALSE_ALARM for _ in range(trials))
+    assert detected >= 0.9 * trials and passed >= 0.95 * trials
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("draft", "verification"),
+    [
+        ("none", "coupled"),
+        ("independent-model", "coupled"),
+        ("quantized-int8", "coupled"),
+        ("quantized-bf16", "coupled"),
+        ("prompt-lookup", "coupled"),
+        ("independent-model", "rejection"),
+    ],
+)
+def test_sampling_keeps_the_target_distribution(draft, verification, vocab16_pair):
+    """SAMPLES seeded samples of (x2, x3) against the target's exact distribution."""
+    target_dir, draft_dir, exact, draft_exact = vocab16_pair
     grid = SMALL_GRID.model_copy(update={"batch_sizes": [64], "prompt_lengths": [4]})
-    engine = engine_for(
-        target_dir,
-        bucket_grid=grid,
-        num_draft_tokens=2,
-        draft=DraftSpec(kind="model", model=ModelSpec(path=str(draft_dir))),
-    )
-    params = SamplingParams(max_new_tokens=3, temperature=temperature)
-    completions = engine.generate([prompt] * samples, params, seeds=list(range(samples)))
+    spec = None if draft == "none" else drafts(target_dir, draft_dir)[draft]
+    engine = engine_for(target_dir, bucket_grid=grid, num_draft_tokens=2, draft=spec)
+    params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE, verification=verification)
+    completions = engine.generate([PROMPT] * SAMPLES, params, seeds=list(range(SAMPLES)))
     counts = torch.zeros(VOCAB, VOCAB)
     for completion in completions:
         counts[completion.token_ids[1], completion.token_ids[2]] += 1
     stats = engine.stats
-    assert 0.1 < stats.acceptance_rate < 0.9  # both acceptance and rejection paths exercised
-    assert stats.accepted_per_position[1] > 0  # bonus tokens after full acceptance happened
-    assert chi_square_p_value(counts, exact) > 1e-3
-    # Power check: the same counts are clearly not the draft's distribution.
-    assert chi_square_p_value(counts, draft_exact) < 1e-9
+    if draft == "independent-model":  # both acceptance and rejection paths exercised
+        assert 0.1 < stats.acceptance_rate < 0.9
+    if spec is not None:
+        assert stats.accepted_per_position[1] > 0  # bonus tokens after full acceptance happened
+    assert chi_square_p_value(counts, exact) > FALSE_ALARM
+    assert chi_square_p_value(counts, draft_exact) < 1e-9  # not the draft's distribution

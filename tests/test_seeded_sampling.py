@@ -1,0 +1,120 @@
+"""Seeded sampling under speculation (coupled verification, the default): a record's completion
+is a function of (target model, prompt, seed, sampling params) alone, the same alone or in any
+batch, with no draft or any draft kind, at any K, fixed or auto, on any call."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from engine_helpers import SMALL_GRID, drafts, engine_for, varied_prompts
+
+from generation import Engine
+from schemas import DraftSpec, EngineConfig, SamplingParams
+
+PROMPTS = [*varied_prompts(7), "the cat sat on the mat the cat sat on the mat the cat"]
+SEEDS = [1000 + 17 * i for i in range(len(PROMPTS))]
+SAMPLING = {
+    "plain": SamplingParams(max_new_tokens=12, temperature=1.0),
+    "top-k-top-p": SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9),
+    "top-p": SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.8),  # full-sort fallback
+}
+DRAFTS = ["independent-model", "same-model", "quantized-int8", "quantized-bf16", "prompt-lookup"]
+
+
+def alone(engine: Engine, params: SamplingParams) -> list[list[int]]:
+    """Each prompt in its own call: no neighbours."""
+    return [
+        engine.generate([prompt], params, seeds=[seed])[0].token_ids
+        for prompt, seed in zip(PROMPTS, SEEDS, strict=True)
+    ]
+
+
+def shuffled(engine: Engine, params: SamplingParams, order_seed: int) -> list[list[int]]:
+    """All prompts in one call, in a shuffled order (other neighbours and cache rows)."""
+    order = list(range(len(PROMPTS)))
+    random.Random(order_seed).shuffle(order)
+    done = engine.generate([PROMPTS[i] for i in order], params, seeds=[SEEDS[i] for i in order])
+    tokens: list[list[int] | None] = [None] * len(PROMPTS)
+    for position, index in enumerate(order):
+        tokens[index] = done[position].token_ids
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir) -> dict[str, list[list[int]]]:
+    """Plain decoding, batch 1, every prompt alone: what every other setting must reproduce."""
+    one_row = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
+    engine = engine_for(tiny_llama_dir, bucket_grid=one_row)
+    return {name: alone(engine, params) for name, params in SAMPLING.items()}
+
+
+def test_reference_is_really_sampled(tiny_llama_dir, reference):
+    """Guards the tests below against a vacuous pass: the seed matters and it is not greedy."""
+    engine = engine_for(tiny_llama_dir)
+    params = SAMPLING["plain"]
+    reseeded = engine.generate(PROMPTS, params, seeds=[s + 1 for s in SEEDS])
+    greedy = engine.generate(PROMPTS, params.model_copy(update={"temperature": 0.0}))
+    assert sum(r.token_ids != t for r, t in zip(reseeded, reference["plain"], strict=True)) >= 6
+    assert sum(g.token_ids != t for g, t in zip(greedy, reference["plain"], strict=True)) >= 6
+
+
+def test_plain_sampling_ignores_batch_and_order(tiny_llama_dir, reference):
+    engine = engine_for(tiny_llama_dir)
+    for name, params in SAMPLING.items():
+        assert shuffled(engine, params, order_seed=1) == reference[name], name
+        assert shuffled(engine, params, order_seed=2) == reference[name], name
+
+
+@pytest.mark.parametrize("draft", DRAFTS)
+def test_every_draft_and_k_reproduces_plain_sampling(
+    draft, tiny_llama_dir, tiny_llama_other_dir, reference
+):
+    spec = drafts(tiny_llama_dir, tiny_llama_other_dir)[draft]
+    engine = engine_for(tiny_llama_dir, draft=spec, num_draft_tokens="auto")
+    accepted = 0
+    for order_seed, (name, k) in enumerate(
+        [("plain", 2), ("top-k-top-p", 4), ("plain", None), ("top-k-top-p", None)]
+    ):  # fixed K, then the chooser's own K
+        engine.chooser.fixed = k
+        engine.reset_stats()
+        assert shuffled(engine, SAMPLING[name], order_seed) == reference[name], (name, k)
+        assert engine.stats.rounds > 0 or k is None
+        accepted += engine.stats.accepted
+    if draft in ("same-model", "quantized-int8", "quantized-bf16"):  # close to the target:
+        assert accepted > 0  # drafted tokens were kept, not only the target's own
+    engine.chooser.fixed = None
+    assert alone(engine, SAMPLING["plain"]) == reference["plain"]  # K auto, no neighbours
+
+
+def test_k_auto_alone_repeats_itself(tiny_llama_dir):
+    """The issue's report: one prompt, one seed, K auto, five calls -> one completion."""
+    engine = engine_for(
+        tiny_llama_dir, draft=DraftSpec(kind="quantized", dtype="int8"), num_draft_tokens="auto"
+    )
+    params = SamplingParams(max_new_tokens=40, temperature=0.8, seed=5)
+    runs = {tuple(engine.generate([PROMPTS[3]], params)[0].token_ids) for _ in range(5)}
+    assert len(runs) == 1
+
+
+@pytest.mark.slow
+def test_smollm2_int8_draft_reproduces_plain_sampling(smollm2_spec):
+    prompts = [
+        [{"role": "user", "content": "Write one sentence about the sea."}],
+        [{"role": "user", "content": "Name three colours and a fruit."}],
+        "Once upon a time",
+    ]
+    seeds = [11, 12, 13]
+    params = SamplingParams(max_new_tokens=16, temperature=0.8, top_p=0.95)
+    grid = SMALL_GRID.model_copy(
+        update={"prompt_lengths": [32, 64], "cache_lengths": [96], "draft_lengths": [2, 4]}
+    )
+    config = EngineConfig(target=smollm2_spec, device="cpu", bucket_grid=grid)
+    plain = Engine.from_config(config).generate(prompts, params, seeds=seeds)
+    draft = config.model_copy(update={"draft": DraftSpec(kind="quantized", dtype="int8")})
+    speculative = Engine.from_config(draft)
+    for k in (4, None):
+        speculative.chooser.fixed = k
+        completions = speculative.generate(prompts[::-1], params, seeds=seeds[::-1])[::-1]
+        assert [c.token_ids for c in completions] == [c.token_ids for c in plain]
+    assert speculative.stats.accepted > 0
