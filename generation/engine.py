@@ -341,6 +341,7 @@ class Engine:
     def _speculative_step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> None:
         """One round: draft K per row, verify [b, K+1] in one target forward, keep per row."""
         live = [row for row in batch if row]
+        tokens_before = self._stats.tokens_generated
         uniforms = self._uniforms(batch, 2 * k + 1, params)  # K draft draws, K tests, 1 final
         started = time.perf_counter()
         contexts = [row.tokens if row else None for row in batch]
@@ -374,6 +375,10 @@ class Engine:
             self._append(row, [*draft_tokens[i, :kept].tolist(), next_token[i]], params)
         self._stats.record_round(k, counts)
         self.chooser.observe(k, counts)
+        plain_step = self.target.measured_seconds_for(len(batch), 1, int(starts.max()))
+        self._stats.record_plain_estimate(
+            self._stats.tokens_generated - tokens_before, len(live), plain_step
+        )
 
     def _choose_k(self, width: int) -> int:
         def target_seconds(t: int) -> float:

@@ -75,11 +75,20 @@ class ModelRunner:
         self.useful_slots += useful
         return logits
 
+    def measured_seconds_for(self, b: int, t: int, last_position: int | None = None):
+        """Recent time of a [b, t] decode forward at the cache bucket that holds `last_position`
+        (else averaged over the cache buckets seen); None if no such forward ran."""
+        if last_position is not None and last_position < self.grid.max_cache:
+            attend = bucket(self.grid.cache_lengths, last_position + 1)
+            if (exact := self.recent_seconds.get(("decode", b, t, attend))) is not None:
+                return exact
+        times = [v for key, v in self.recent_seconds.items() if key[:3] == ("decode", b, t)]
+        return sum(times) / len(times) if times else None
+
     def recent_seconds_for(self, b: int, t: int) -> float:
         """Recent time of a [b, t] decode forward, averaged over the cache buckets seen."""
-        times = [v for key, v in self.recent_seconds.items() if key[:3] == ("decode", b, t)]
-        if times:
-            return sum(times) / len(times)
+        if (measured := self.measured_seconds_for(b, t)) is not None:
+            return measured
         if t > 1:  # unmeasured: assume cost grows linearly with tokens (pessimistic)
             return t * self.recent_seconds_for(b, 1)
         return 1.0

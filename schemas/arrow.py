@@ -84,5 +84,15 @@ METRICS_SCHEMA = pa.schema(
         pa.field("config_hash", pa.string()),
         pa.field("started_at", pa.timestamp("us", tz="UTC")),
         pa.field("finished_at", pa.timestamp("us", tz="UTC")),
+        pa.field(
+            "plain_seconds_estimate",
+            pa.float64(),
+            metadata={"doc": "wall_seconds had the shard decoded plain (estimate; null: unknown)"},
+        ),
+        pa.field(
+            "plain_cost_estimate",
+            pa.float64(),
+            metadata={"doc": "plain_seconds_estimate x device_count / 3600 x price"},
+        ),
     ]
 )

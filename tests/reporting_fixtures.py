@@ -10,12 +10,14 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+import statistics
 from typing import Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
 from schemas.arrow import METRICS_SCHEMA
 
 UTC = dt.UTC
@@ -179,3 +181,51 @@ def three_runs() -> list[dict[str, Any]]:
             batch_bucket=8,
         ),
     ]
+
+
+COPY_PARAGRAPHS = [
+    "The city council met on Tuesday evening to discuss the new public library. Residents asked "
+    "for longer opening hours, more study rooms and a larger children's section.",
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon "
+    "dioxide and water. It takes place mainly in the leaves, inside chloroplasts.",
+    "Our team shipped the new release on Friday. It fixes the login timeout, speeds up the search "
+    "page by a third and adds an export button to every report.",
+    "The river rises every spring when the snow melts in the mountains. Farmers along its banks "
+    "plant late, after the water has gone down.",
+]
+COPY_PROMPTS = [
+    [{"role": "user", "content": f"Rewrite the following paragraph, keeping its wording:\n\n{p}"}]
+    for p in COPY_PARAGRAPHS
+]
+PAYOFF_GRID = BucketGrid(
+    batch_sizes=[1, 2, 4], prompt_lengths=[128], cache_lengths=[256], draft_lengths=[4]
+)
+
+
+def measure_plain_estimate(target: ModelSpec, repeats: int) -> tuple[float, float]:
+    """(estimated, measured) plain wall seconds of one batch of copy-heavy prompts.
+
+    The estimate comes from a prompt-lookup run (its wall time plus the seconds speculation
+    saved, from warmed-up [b, 1] step times); the measurement from the same prompts decoded
+    plain. Runs alternate, and each figure is a median, so machine drift hits both alike.
+    """
+    from generation import Engine  # torch only for the tests that measure
+
+    params = SamplingParams(max_new_tokens=48)
+    engines = {}
+    for name, draft in (("plain", None), ("lookup", DraftSpec(kind="prompt_lookup"))):
+        config = EngineConfig(target=target, draft=draft, device="cpu", bucket_grid=PAYOFF_GRID,
+                              num_draft_tokens=4 if draft else "auto")  # fmt: skip
+        engines[name] = Engine.from_config(config)
+        engines[name].warmup()
+    estimates, measured = [], []
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            engine.reset_stats()
+            engine.generate(COPY_PROMPTS, params)
+            stats = engine.stats
+            if name == "plain":
+                measured.append(stats.wall_seconds)
+            else:
+                estimates.append(stats.wall_seconds + stats.seconds_saved_by_speculation)
+    return statistics.median(estimates), statistics.median(measured)

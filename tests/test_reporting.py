@@ -13,6 +13,7 @@ import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
 import pytest
+from engine_helpers import engine_for, varied_prompts
 from pipeline_fixtures import (
     good_rows,
     prefect_server,  # noqa: F401  (session fixture)
@@ -20,11 +21,13 @@ from pipeline_fixtures import (
     tiny_engine,
     write_jsonl,
 )
-from reporting_fixtures import metrics_row, three_runs, write_shard
+from reporting_fixtures import measure_plain_estimate, metrics_row, three_runs, write_shard
 from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.generate import generate_corpus
+from generation.metrics import EngineStats
+from schemas import SamplingParams
 from schemas.arrow import METRICS_SCHEMA
 from schemas.pricing import (
     DEFAULT_PRICES_PATH,
@@ -371,3 +374,40 @@ def test_report_over_a_smollm2_run_with_prompt_lookup(tmp_path, smollm2_spec):
     (run,) = build_report(open_committed_metrics(out))["runs"]
     check_run_against_outputs(out, run, summary)
     assert run["error_rows"] == 2 and run["model_pairs"] == f"{smollm2_spec.path} <- prompt_lookup"
+
+
+# --- the speculation payoff: what plain decoding would have cost ----------------------------------
+
+
+def test_plain_estimate_adds_measured_step_time_per_plain_step_needed():
+    stats = EngineStats(draft_seconds=0.5, verify_seconds=1.0)
+    stats.record_plain_estimate(tokens=12, rows=4, plain_step_seconds=0.1)  # 3 plain steps
+    stats.record_plain_estimate(tokens=5, rows=1, plain_step_seconds=0.2)  # 5 plain steps
+    assert stats.plain_seconds_for_rounds == pytest.approx(0.3 + 1.0)
+    assert stats.seconds_saved_by_speculation == pytest.approx(1.3 - 1.5)
+    stats.record_plain_estimate(tokens=3, rows=1, plain_step_seconds=None)
+    assert stats.seconds_saved_by_speculation is None  # one unmeasured round: no estimate
+    assert EngineStats().seconds_saved_by_speculation == 0.0  # plain decoding saves nothing
+
+
+def test_plain_estimate_is_unknown_without_a_measured_plain_step(tiny_llama_dir):
+    """Fixed K and no warm-up: no [b, 1] decode ever ran, so there is nothing to scale."""
+    engine = engine_for(tiny_llama_dir, draft={"kind": "prompt_lookup"}, num_draft_tokens=2)
+    engine.generate(varied_prompts(3), SamplingParams(max_new_tokens=6))
+    assert engine.stats.rounds > 0 and engine.stats.seconds_saved_by_speculation is None
+    engine.warmup()
+    engine.generate(varied_prompts(3), SamplingParams(max_new_tokens=6))
+    assert engine.stats.plain_seconds_for_rounds > 0
+
+
+PLAIN_ESTIMATE_ERROR = 0.25  # stated in the README: estimate within ±25 % of a measured plain run
+
+
+@pytest.mark.slow
+def test_plain_estimate_is_close_to_a_measured_plain_run(smollm2_spec):
+    """SmolLM2 with a prompt-lookup draft on copy-heavy prompts vs the same prompts plain:
+    the lookup run's estimate of plain wall time against the plain run's measured wall time
+    (interleaved, medians of 2; bench/payoff.py prints the same comparison)."""
+    estimate, measured = measure_plain_estimate(smollm2_spec, repeats=2)
+    assert measured > 0
+    assert abs(estimate / measured - 1) < PLAIN_ESTIMATE_ERROR, (estimate, measured)
