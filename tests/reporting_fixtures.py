@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+import random
 import statistics
 from typing import Any
 
@@ -70,6 +71,12 @@ def metrics_row(run_id: str, shard_id: str, **values: Any) -> dict[str, Any]:
     proposed, accepted, rounds = row["proposed"], row["accepted"], row["rounds"]
     row.setdefault("acceptance_rate", accepted / proposed if proposed else None)
     row.setdefault("mean_accepted_length", 1 + accepted / rounds if rounds else None)
+    if row["draft_kind"] == "none":  # plain decoding: the "plain estimate" is what it measured
+        row.setdefault("plain_seconds_estimate", row["wall_seconds"])
+    plain = row.get("plain_seconds_estimate")
+    if plain is not None:
+        plain_cost = plain * row["device_count"] / 3600 * row["price_per_device_hour"]
+        row.setdefault("plain_cost_estimate", plain_cost)
     return row
 
 
@@ -103,7 +110,8 @@ def write_shard(
 
 
 def three_runs() -> list[dict[str, Any]]:
-    """Committed rows of three runs on three devices; run-b has error rows."""
+    """Committed rows of three runs on three devices; run-b has error rows and plain-time
+    estimates (1.5x its wall time), run-c a draft but no estimate, run-a no draft."""
     day = dt.datetime(2026, 11, 30, 8, 0, tzinfo=UTC)
     return [
         metrics_row(
@@ -151,6 +159,7 @@ def three_runs() -> list[dict[str, Any]]:
             error_rows=3,
             generated_tokens=900,
             wall_seconds=6.0,
+            plain_seconds_estimate=9.0,
         ),
         metrics_row(
             "run-b",
@@ -165,6 +174,7 @@ def three_runs() -> list[dict[str, Any]]:
             accepted_per_position=[300, 200],
             proposed_per_position=[400, 400],
             wall_seconds=8.0,
+            plain_seconds_estimate=12.0,
             batch_bucket=8,
         ),
         metrics_row(
@@ -181,6 +191,40 @@ def three_runs() -> list[dict[str, Any]]:
             batch_bucket=8,
         ),
     ]
+
+
+# Two series a scheduled deployment would run every day: (run id prefix, metrics values).
+HISTORY_SERIES = (
+    ("smol-lookup", {"target_model": "packaged:smollm2-135m-instruct", "draft_model": "",
+                     "draft_kind": "prompt_lookup", "device_type": "cuda-h100",
+                     "price_per_device_hour": 2.99}),
+    ("qwen-pair", {"target_model": "/models/qwen2.5-coder-1.5b", "draft_kind": "model",
+                   "draft_model": "/models/qwen2.5-coder-0.5b", "device_type": "gaudi2",
+                   "price_per_device_hour": 1.3, "device_count": 2}),
+)  # fmt: skip
+
+
+def daily_history(
+    days: int, shards_per_run: int, slow_day: int | None = None, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Metrics rows of one run per series per day, with +-5 % day-to-day noise; on `slow_day`
+    (0-based) the smol-lookup run takes 1.5x as long (a regression the report should flag)."""
+    rng = random.Random(seed)
+    first = dt.datetime(2026, 1, 1, 2, 0, tzinfo=UTC)
+    rows = []
+    for day in range(days):
+        for prefix, values in HISTORY_SERIES:
+            run_id = f"{prefix}-{day:03d}"
+            slowdown = 1.5 if day == slow_day and prefix == "smol-lookup" else 1.0
+            for index in range(shards_per_run):
+                wall = 20.0 * slowdown * rng.uniform(0.95, 1.05)
+                rows.append(metrics_row(
+                    run_id, f"{run_id}-s{index:03d}", **values, wall_seconds=wall,
+                    started_at=first + dt.timedelta(days=day, seconds=30 * index),
+                    generated_tokens=4000, accepted=rng.randint(560, 640),
+                    plain_seconds_estimate=wall * rng.uniform(1.6, 1.8),
+                ))  # fmt: skip
+    return rows
 
 
 COPY_PARAGRAPHS = [
