@@ -236,6 +236,7 @@ class Engine:
                     runner.prefill([[0] * t] * b, list(range(b)))
                 for t, s, _ in itertools.product(lengths, grid.cache_lengths, range(2)):
                     runner.decode(torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t), b)
+            runner.warm_seconds = dict(runner.recent_seconds)
         self.reset_stats()
 
     # ---- generation ------------------------------------------------------------------------
@@ -375,7 +376,7 @@ class Engine:
             self._append(row, [*draft_tokens[i, :kept].tolist(), next_token[i]], params)
         self._stats.record_round(k, counts)
         self.chooser.observe(k, counts)
-        plain_step = self.target.measured_seconds_for(len(batch), 1, int(starts.max()))
+        plain_step = self.target.seconds_now(len(batch), 1, k + 1, int(starts.max()) + k)
         self._stats.record_plain_estimate(
             self._stats.tokens_generated - tokens_before, len(live), plain_step
         )

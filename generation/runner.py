@@ -38,6 +38,7 @@ class ModelRunner:
         self.cache = KVCache(model.config, grid.max_batch + 1, grid.max_cache, dtype, device)
         self.shapes: Counter[tuple] = Counter()
         self.recent_seconds: dict[tuple, float] = {}  # per-shape moving average, for choosing K
+        self.warm_seconds: dict[tuple, float] = {}  # recent_seconds as the warm-up left them
         self.computed_slots = 0
         self.useful_slots = 0
         self.compiles = 0
@@ -75,20 +76,22 @@ class ModelRunner:
         self.useful_slots += useful
         return logits
 
-    def measured_seconds_for(self, b: int, t: int, last_position: int | None = None):
-        """Recent time of a [b, t] decode forward at the cache bucket that holds `last_position`
-        (else averaged over the cache buckets seen); None if no such forward ran."""
-        if last_position is not None and last_position < self.grid.max_cache:
-            attend = bucket(self.grid.cache_lengths, last_position + 1)
-            if (exact := self.recent_seconds.get(("decode", b, t, attend))) is not None:
-                return exact
-        times = [v for key, v in self.recent_seconds.items() if key[:3] == ("decode", b, t)]
-        return sum(times) / len(times) if times else None
+    def seconds_now(self, b: int, t: int, like: int, last_position: int) -> float | None:
+        """A [b, t] decode's time under the current load: the recent time of the [b, like]
+        forward at the same cache bucket x the two shapes' ratio in warm-up (timed back to back).
+        None before a warm-up."""
+        attend = bucket(self.grid.cache_lengths, last_position + 1)
+        wanted, known = ("decode", b, t, attend), ("decode", b, like, attend)
+        if wanted not in self.warm_seconds or known not in self.warm_seconds:
+            return None
+        ratio = self.warm_seconds[wanted] / self.warm_seconds[known]
+        return self.recent_seconds[known] * ratio
 
     def recent_seconds_for(self, b: int, t: int) -> float:
         """Recent time of a [b, t] decode forward, averaged over the cache buckets seen."""
-        if (measured := self.measured_seconds_for(b, t)) is not None:
-            return measured
+        times = [v for key, v in self.recent_seconds.items() if key[:3] == ("decode", b, t)]
+        if times:
+            return sum(times) / len(times)
         if t > 1:  # unmeasured: assume cost grows linearly with tokens (pessimistic)
             return t * self.recent_seconds_for(b, 1)
         return 1.0

@@ -246,8 +246,8 @@ PAYOFF_GRID = BucketGrid(
 )
 
 
-def measure_plain_estimate(target: ModelSpec, repeats: int) -> tuple[float, float]:
-    """(estimated, measured) plain wall seconds of one batch of copy-heavy prompts.
+def measure_plain_estimate(target: ModelSpec, repeats: int) -> dict[str, float]:
+    """Plain wall seconds of one batch of copy-heavy prompts: estimated and measured.
 
     The estimate comes from a prompt-lookup run (its wall time plus the seconds speculation
     saved, from warmed-up [b, 1] step times); the measurement from the same prompts decoded
@@ -262,14 +262,20 @@ def measure_plain_estimate(target: ModelSpec, repeats: int) -> tuple[float, floa
                               num_draft_tokens=4 if draft else "auto")  # fmt: skip
         engines[name] = Engine.from_config(config)
         engines[name].warmup()
-    estimates, measured = [], []
+    samples: dict[str, list[float]] = {"measured": [], "estimated": [], "speculative": []}
     for _ in range(repeats):
         for name, engine in engines.items():
             engine.reset_stats()
             engine.generate(COPY_PROMPTS, params)
             stats = engine.stats
             if name == "plain":
-                measured.append(stats.wall_seconds)
+                samples["measured"].append(stats.wall_seconds)
             else:
-                estimates.append(stats.wall_seconds + stats.seconds_saved_by_speculation)
-    return statistics.median(estimates), statistics.median(measured)
+                samples["speculative"].append(stats.wall_seconds)
+                samples["estimated"].append(stats.wall_seconds + stats.seconds_saved_by_speculation)
+    return {
+        f"{name}_plain_seconds" if name != "speculative" else "speculative_seconds": (
+            statistics.median(values)
+        )
+        for name, values in samples.items()
+    }
