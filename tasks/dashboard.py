@@ -77,6 +77,16 @@ def _colors(names: list[str]) -> dict[str, str]:
     return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(unique)}
 
 
+def _grouped(
+    rows: list[dict[str, Any]], name: Callable[[dict[str, Any]], str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Rows by trace name, traces in order of first appearance."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(name(row), []).append(row)
+    return groups
+
+
 def _when(row: dict[str, Any]) -> str:
     """A run's x position on the date axes: its start, in UTC."""
     started = row["started_at"]
@@ -144,11 +154,11 @@ def savings_chart(report: dict[str, Any]) -> Chart:
     figure = None
     if rows:
         figure = go.Figure()
-        for series, color in _colors([row["series"] for row in rows]).items():
-            points = [row for row in rows if row["series"] == series]
+        colors = _colors([row["series"] for row in report["trends"]])  # as on the trend charts
+        for series, points in _grouped(rows, lambda row: row["series"]).items():
             figure.add_trace(go.Bar(
                 name=series, x=[_when(p) for p in points], y=[p["cost_saved"] for p in points],
-                marker={"color": color},
+                marker={"color": colors[series]},
                 text=[f"{p['run_id']}: saved {usd(p['cost_saved'])} of {usd(p['cost'])} spent "
                       f"({times(p['speedup_vs_plain'])} vs plain)" for p in points],
                 textposition="none", hovertemplate="%{text}<extra>%{fullData.name}</extra>",
@@ -169,10 +179,8 @@ def acceptance_per_shard_chart(report: dict[str, Any]) -> Chart:
     figure = None
     if shards:
         figure = go.Figure()
-        by_series: dict[str, list[dict[str, Any]]] = {}
-        for shard in sorted(shards, key=lambda s: (s["run_id"], s["shard_id"])):
-            series = f"{shard['model_pair']} · {shard['device_type']}"
-            by_series.setdefault(series, []).append(shard)
+        ordered = sorted(shards, key=lambda s: (s["run_id"], s["shard_id"]))
+        by_series = _grouped(ordered, lambda s: f"{s['model_pair']} · {s['device_type']}")
         for series, rows in by_series.items():
             figure.add_trace(go.Box(
                 name=series, x=[r["run_id"] for r in rows], y=[r["acceptance_rate"] for r in rows],
@@ -214,8 +222,7 @@ def position_curve_chart(report: dict[str, Any]) -> Chart:
 def throughput_by_bucket_chart(report: dict[str, Any]) -> Chart:
     rows = report["bucket_throughput"]
     figure = go.Figure()
-    for name in dict.fromkeys(f"{r['device_type']} · {r['draft_kind']}" for r in rows):
-        points = [r for r in rows if f"{r['device_type']} · {r['draft_kind']}" == name]
+    for name, points in _grouped(rows, lambda r: f"{r['device_type']} · {r['draft_kind']}").items():
         figure.add_trace(go.Bar(
             name=name, x=[f"batch {p['batch_bucket']}" for p in points],
             y=[p["tokens_per_second"] for p in points],
