@@ -489,3 +489,16 @@ def test_trends_need_three_previous_runs_before_flagging(tmp_path):
     slow = next(t for t in report["trends"] if t["run_id"] == "smol-lookup-002")
     assert slow["cost_change"] > 0.4 and slow["regression"] is None
     assert report["regressions"] == []
+
+
+def test_cli_over_a_history_lists_regressions_savings_and_writes_the_dashboard(tmp_path):
+    root = str(tmp_path / "out")
+    for row in daily_history(days=6, shards_per_run=1, slow_day=5):
+        write_shard(root, row)
+    html = tmp_path / "dash.html"
+    result = invoke(root, "--html", str(html))
+    assert result.exit_code == 0, result.output
+    assert "Regressions" in result.stdout and "smol-lookup-005" in result.stdout
+    assert "speculation saved $" in result.stdout and "of 12 shards" in result.stdout
+    page = html.read_text()
+    assert page.count('class="plotly-graph-div"') == 8 and "smol-lookup-005" in page
