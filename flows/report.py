@@ -11,25 +11,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
 from schemas.pricing import UnknownDeviceError, parse_price_overrides
 from schemas.run import StorageSpec
-from tasks.dashboard import (
-    MODEL_PAIR_COLUMNS,
-    PRICE_COLUMNS,
-    RUN_COLUMNS,
-    SHARD_COLUMNS,
-    TEXT_FORMATS,
-    Column,
-    count,
-    decimal,
-    rate,
-    render_dashboard,
-    text,
-    usd,
-)
+from tasks.dashboard import render_dashboard
+from tasks.report_tables import print_report
 from tasks.reporting import (
     NoMetricsError,
     build_report,
@@ -64,68 +50,6 @@ def _parse_storage_options(items: list[str]) -> dict[str, Any]:
         except json.JSONDecodeError:
             options[key] = value
     return options
-
-
-def _rich_table(title: str, rows: list[dict[str, Any]], columns: list[Column]) -> Table:
-    table = Table(title=title, title_justify="left", title_style="bold")
-    for _, header, fmt in columns:
-        table.add_column(header, justify="left" if fmt in TEXT_FORMATS else "right")
-    for row in rows:
-        table.add_row(*(fmt(row.get(key)) for key, _, fmt in columns))
-    return table
-
-
-def _position_table(rows: list[dict[str, Any]]) -> Table:
-    """Runs down, draft positions across: where in a draft acceptance falls off."""
-    positions = sorted({row["position"] for row in rows})
-    table = Table(title="Acceptance by draft position", title_justify="left", title_style="bold")
-    table.add_column("run")
-    for position in positions:
-        table.add_column(f"token {position + 1}", justify="right")
-    by_run: dict[str, dict[int, float | None]] = {}
-    for row in rows:
-        by_run.setdefault(row["run_id"] or "all runs", {})[row["position"]] = row["acceptance_rate"]
-    for run_id, rates in by_run.items():
-        table.add_row(run_id, *(rate(rates.get(position)) for position in positions))
-    return table
-
-
-ERROR_REASON_COLUMNS: list[Column] = [
-    ("run_id", "run", text), ("reason", "reason", text), ("rows", "rows", count),
-]
-
-
-def _bucket_columns() -> list[Column]:
-    return [
-        ("device_type", "device", text), ("draft_kind", "draft kind", text),
-        ("batch_bucket", "batch bucket", count), ("shards", "shards", count),
-        ("tokens_per_second", "tok/s", decimal),
-    ]  # fmt: skip
-
-
-def _print_tables(report: dict[str, Any]) -> None:
-    console = Console(width=max(Console().width, 160))
-    total = report["total"]
-    console.print(
-        f"[bold]{total['shards']} committed shards[/], {total['generated_tokens']:,} tokens, "
-        f"{total['error_rows']:,} error rows, {total['empty_completions'] or 0:,} empty "
-        f"completions, acceptance {rate(total['acceptance_rate'])}\n"
-        f"generation cost {usd(total['cost'])} + engine load {usd(total['engine_load_cost'])} "
-        f"({decimal(total['engine_load_seconds'])} s) = total {usd(total['total_cost'])}, "
-        f"{usd(total['total_cost_per_1m_tokens'])} per 1M tokens",
-        soft_wrap=True,
-    )
-    console.print(_rich_table("Prices used ($ per device-hour)", report["prices"], PRICE_COLUMNS))
-    console.print(_rich_table("Runs", report["runs"], RUN_COLUMNS))
-    console.print(_rich_table("Model pairs", report["model_pairs"], MODEL_PAIR_COLUMNS))
-    if report["position_acceptance"]:
-        console.print(_position_table(report["position_acceptance"]))
-    console.print(_rich_table("Tokens/s by batch bucket", report["bucket_throughput"],
-                              _bucket_columns()))  # fmt: skip
-    console.print(_rich_table("Costliest shards", report["costliest_shards"], SHARD_COLUMNS))
-    reasons = [row for row in report["error_reasons"] if row["level"] == "run"]
-    if reasons:
-        console.print(_rich_table("Error rows by reason", reasons, ERROR_REASON_COLUMNS))
 
 
 def report(
@@ -184,7 +108,7 @@ def report(
         writer.writeheader()
         writer.writerows(rows)
     else:
-        _print_tables(result)
+        print_report(result)
     if html is not None:
         html.write_text(render_dashboard(result, output_uri))
         typer.secho(f"dashboard written to {html}", err=True)

@@ -259,6 +259,7 @@ class Engine:
                     runner.prefill([[0] * t] * b, list(range(b)))
                 for t, s, _ in itertools.product(lengths, grid.cache_lengths, range(2)):
                     runner.decode(torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t), b)
+            runner.warm_seconds = dict(runner.recent_seconds)
         self.reset_stats()
 
     # ---- generation ------------------------------------------------------------------------
@@ -366,6 +367,7 @@ class Engine:
     def _speculative_step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> None:
         """One round: draft K per row, verify [b, K+1] in one target forward, keep per row."""
         live = [row for row in batch if row]
+        tokens_before = self._stats.tokens_generated
         draws = self._draws(batch, k + 1, params)  # the K + 1 positions this round may fill
         started = time.perf_counter()
         contexts = [row.tokens if row else None for row in batch]
@@ -397,6 +399,10 @@ class Engine:
             self._append(row, [*draft_tokens[i][:kept], next_token[i]], params)
         self._stats.record_round(k, counts)
         self.chooser.observe(k, counts)
+        plain_step = self.target.seconds_now(len(batch), 1, k + 1, int(starts.max()) + k)
+        self._stats.record_plain_estimate(
+            self._stats.tokens_generated - tokens_before, len(live), plain_step
+        )
 
     def _choose_k(self, width: int) -> int:
         def target_seconds(t: int) -> float:

@@ -32,6 +32,9 @@ class EngineStats:
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
     steps_per_k: dict[int, int] = field(default_factory=dict)  # batch steps by K (0 = plain)
+    # What plain decoding would have spent on the tokens the speculative rounds produced
+    # (measured [b, 1] step time x the plain steps needed); None once a round's b is unmeasured.
+    plain_seconds_for_rounds: float | None = 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -41,6 +44,20 @@ class EngineStats:
     @property
     def mean_accepted_length(self) -> float | None:
         return 1.0 + self.accepted / self.rounds if self.rounds else None
+
+    @property
+    def seconds_saved_by_speculation(self) -> float | None:
+        """Estimated plain decoding time of the speculative rounds minus their measured time."""
+        if self.plain_seconds_for_rounds is None:
+            return None
+        return self.plain_seconds_for_rounds - self.draft_seconds - self.verify_seconds
+
+    def record_plain_estimate(self, tokens: int, rows: int, plain_step_seconds: float | None):
+        """A round gave `rows` live rows `tokens` tokens: plain needs tokens / rows steps."""
+        if plain_step_seconds is None or self.plain_seconds_for_rounds is None:
+            self.plain_seconds_for_rounds = None
+        else:
+            self.plain_seconds_for_rounds += tokens / rows * plain_step_seconds
 
     def record_step(self, k: int) -> None:
         self.steps_per_k[k] = self.steps_per_k.get(k, 0) + 1
@@ -62,6 +79,7 @@ class EngineStats:
         return asdict(self) | {
             "acceptance_rate": self.acceptance_rate,
             "mean_accepted_length": self.mean_accepted_length,
+            "seconds_saved_by_speculation": self.seconds_saved_by_speculation,
         }
 
 

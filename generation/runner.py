@@ -38,6 +38,7 @@ class ModelRunner:
         self.cache = KVCache(model.config, grid.max_batch + 1, grid.max_cache, dtype, device)
         self.shapes: Counter[tuple] = Counter()
         self.recent_seconds: dict[tuple, float] = {}  # per-shape moving average, for choosing K
+        self.warm_seconds: dict[tuple, float] = {}  # recent_seconds as the warm-up left them
         self.computed_slots = 0
         self.useful_slots = 0
         self.compiles = 0
@@ -74,6 +75,17 @@ class ModelRunner:
         self.computed_slots += key[1] * key[2]
         self.useful_slots += useful
         return logits
+
+    def seconds_now(self, b: int, t: int, like: int, last_position: int) -> float | None:
+        """A [b, t] decode's time under the current load: the recent time of the [b, like]
+        forward at the same cache bucket x the two shapes' ratio in warm-up (timed back to back).
+        None before a warm-up."""
+        attend = bucket(self.grid.cache_lengths, last_position + 1)
+        wanted, known = ("decode", b, t, attend), ("decode", b, like, attend)
+        if wanted not in self.warm_seconds or known not in self.warm_seconds:
+            return None
+        ratio = self.warm_seconds[wanted] / self.warm_seconds[known]
+        return self.recent_seconds[known] * ratio
 
     def recent_seconds_for(self, b: int, t: int) -> float:
         """Recent time of a [b, t] decode forward, averaged over the cache buckets seen."""

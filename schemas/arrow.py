@@ -124,5 +124,15 @@ METRICS_SCHEMA = pa.schema(
             pa.string(),
             metadata={"doc": "chat: prompts sent through the chat template; raw: as text"},
         ),
+        pa.field(
+            "plain_seconds_estimate",
+            pa.float64(),
+            metadata={"doc": "wall_seconds had the shard decoded plain (estimate; null: unknown)"},
+        ),
+        pa.field(
+            "plain_cost_estimate",
+            pa.float64(),
+            metadata={"doc": "plain_seconds_estimate x device_count / 3600 x price"},
+        ),
     ]
 )

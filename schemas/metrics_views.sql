@@ -29,6 +29,9 @@ SELECT m.*,
        m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour) AS report_cost,
        m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour)
            / nullif(m.generated_tokens, 0) * 1e6 AS report_cost_per_1m_tokens,
+       -- what plain decoding would have cost (null where the run could not estimate it)
+       m.plain_seconds_estimate * m.device_count / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour)
+           AS report_plain_cost,
        o.usd_per_hour IS NOT NULL AS repriced,
        -- engine load + warm-up, billed apart from the shard that happened to load the engine
        m.engine_load_seconds * m.device_count / 3600
@@ -66,6 +69,13 @@ SELECT CASE WHEN grouping(run_id) = 0 THEN 'run'
        1 + sum(accepted) / nullif(sum(rounds), 0) AS mean_accepted_length,
        sum(padding_waste * (prompt_tokens + generated_tokens))
            / nullif(sum(prompt_tokens + generated_tokens), 0) AS padding_waste,
+       -- speculation payoff, over the shards that have a plain estimate
+       count(plain_seconds_estimate) AS estimated_shards,
+       sum(report_plain_cost) AS plain_cost_estimate,
+       sum(report_plain_cost) - sum(report_cost) FILTER (WHERE report_plain_cost IS NOT NULL) AS cost_saved,
+       sum(plain_seconds_estimate * device_count)
+           / nullif(sum(device_seconds) FILTER (WHERE plain_seconds_estimate IS NOT NULL), 0)
+           AS speedup_vs_plain,
        string_agg(DISTINCT device_type, ',' ORDER BY device_type) AS device_types,
        string_agg(DISTINCT draft_kind, ',' ORDER BY draft_kind) AS draft_kinds,
        string_agg(DISTINCT model_pair, ', ' ORDER BY model_pair) AS model_pairs,
@@ -128,6 +138,59 @@ CREATE OR REPLACE VIEW costliest_shards AS
 SELECT run_id, shard_id, device_type, draft_kind, model_pair, generated_tokens, error_rows,
        wall_seconds, tokens_per_second, proposed, accepted / nullif(proposed, 0) AS acceptance_rate,
        padding_waste,
-       report_cost AS cost, report_cost_per_1m_tokens AS cost_per_1m_tokens
+       report_cost AS cost, report_cost_per_1m_tokens AS cost_per_1m_tokens,
+       report_plain_cost AS plain_cost_estimate, report_plain_cost - report_cost AS cost_saved,
+       plain_seconds_estimate / nullif(wall_seconds, 0) AS speedup_vs_plain
 FROM shard_costs
 ORDER BY report_cost DESC NULLS LAST, run_id, shard_id;
+
+-- Trends: one row per run x series (target x draft x draft kind x device type), oldest first,
+-- against the median of the same series' previous (up to) 7 runs. A run is a regression when,
+-- with at least 3 previous runs, it is more than 20 % worse than that median on cost per 1M
+-- tokens (higher), tokens/s (lower) or acceptance (lower); `regression` says which and by how much.
+CREATE OR REPLACE VIEW run_trends AS
+WITH per_run AS (
+    SELECT run_id, target_model, draft_model, draft_kind, device_type,
+           any_value(model_pair) AS model_pair,
+           any_value(model_pair) || ' · ' || device_type AS series,
+           min(run_date) AS run_date, min(started_at) AS started_at,
+           count(*) AS shards, sum(generated_tokens) AS generated_tokens,
+           sum(report_cost) AS cost,
+           sum(report_cost) / nullif(sum(generated_tokens), 0) * 1e6 AS cost_per_1m_tokens,
+           sum(generated_tokens) / nullif(sum(wall_seconds), 0) AS tokens_per_second,
+           sum(accepted) / nullif(sum(proposed), 0) AS acceptance_rate,
+           sum(report_plain_cost) - sum(report_cost) FILTER (WHERE report_plain_cost IS NOT NULL)
+               AS cost_saved,
+           sum(plain_seconds_estimate * device_count)
+               / nullif(sum(device_seconds) FILTER (WHERE plain_seconds_estimate IS NOT NULL), 0)
+               AS speedup_vs_plain
+    FROM shard_costs
+    GROUP BY run_id, target_model, draft_model, draft_kind, device_type
+), baselines AS (
+    SELECT *,
+           count(*) OVER previous AS baseline_runs,
+           median(cost_per_1m_tokens) OVER previous AS baseline_cost_per_1m_tokens,
+           median(tokens_per_second) OVER previous AS baseline_tokens_per_second,
+           median(acceptance_rate) OVER previous AS baseline_acceptance_rate
+    FROM per_run
+    WINDOW previous AS (
+        PARTITION BY target_model, draft_model, draft_kind, device_type
+        ORDER BY started_at, run_id ROWS BETWEEN 7 PRECEDING AND 1 PRECEDING)
+), changes AS (
+    SELECT *,
+           cost_per_1m_tokens / nullif(baseline_cost_per_1m_tokens, 0) - 1 AS cost_change,
+           tokens_per_second / nullif(baseline_tokens_per_second, 0) - 1 AS throughput_change,
+           acceptance_rate / nullif(baseline_acceptance_rate, 0) - 1 AS acceptance_change
+    FROM baselines
+)
+SELECT *,
+       nullif(concat_ws('; ',
+           CASE WHEN baseline_runs >= 3 AND cost_change > 0.2
+                THEN printf('cost/1M tokens %+.0f%%', 100 * cost_change) END,
+           CASE WHEN baseline_runs >= 3 AND throughput_change < -0.2
+                THEN printf('tokens/s %+.0f%%', 100 * throughput_change) END,
+           CASE WHEN baseline_runs >= 3 AND acceptance_change < -0.2
+                THEN printf('acceptance %+.0f%%', 100 * acceptance_change) END
+       ), '') AS regression
+FROM changes
+ORDER BY started_at, run_id, series;

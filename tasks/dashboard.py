@@ -1,255 +1,255 @@
-"""The report as a self-contained HTML dashboard: inline CSS and SVG charts drawn here, no
-scripts and nothing fetched, so the file can be mailed, archived or opened offline.
+"""The report as one self-contained HTML page: plotly charts (hover, zoom, legends) with plotly.js
+embedded once, inline CSS, nothing fetched, so the file can be mailed, archived or opened offline.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 from html import escape
 from pathlib import Path
 from string import Template
 from typing import Any
+
+import plotly.graph_objects as go
+import plotly.io as pio
+from plotly.offline import get_plotlyjs
+
+from tasks.report_tables import (
+    MODEL_PAIR_COLUMNS,
+    PRICE_COLUMNS,
+    REGRESSION_COLUMNS,
+    RUN_COLUMNS,
+    SHARD_COLUMNS,
+    count,
+    decimal,
+    html_table,
+    rate,
+    savings_line,
+    text,
+    times,
+    usd,
+)
 
 TEMPLATE_PATH = Path(__file__).with_name("dashboard.html")
 PALETTE = (
     "#2563eb", "#f59e0b", "#10b981", "#ef4444", "#8b5cf6",
     "#06b6d4", "#ec4899", "#84cc16", "#f97316", "#64748b",
 )  # fmt: skip
-WIDTH, HEIGHT = 640, 300
-MARGIN_LEFT, MARGIN_RIGHT, MARGIN_TOP, MARGIN_BOTTOM = 60, 16, 22, 36
-PLOT_W = WIDTH - MARGIN_LEFT - MARGIN_RIGHT
-PLOT_H = HEIGHT - MARGIN_TOP - MARGIN_BOTTOM
-
-
-# --- number formatting --------------------------------------------------------------------------
-
-
-def usd(value: float | None) -> str:
-    if value is None:
-        return "–"
-    if abs(value) >= 100:
-        return f"${value:,.0f}"
-    if abs(value) >= 0.1:
-        return f"${value:,.2f}"
-    return f"${value:.3g}"
-
-
-def count(value: float | None) -> str:
-    return "–" if value is None else f"{value:,.0f}"
-
-
-def rate(value: float | None) -> str:
-    return "–" if value is None else f"{value:.1%}"
-
-
-def decimal(value: float | None) -> str:
-    return "–" if value is None else f"{value:,.2f}" if abs(value) < 1000 else f"{value:,.0f}"
-
-
-def model(value: str | None) -> str:
-    """A model by its file name: paths are long and the same folder repeats."""
-    return "–" if not value else value.rstrip("/").rsplit("/", 1)[-1]
-
-
-def text(value: Any) -> str:
-    if value is None:
-        return "–"
-    if isinstance(value, list):
-        return ", ".join(text(v) for v in value)
-    if isinstance(value, dt.datetime):
-        return value.strftime("%Y-%m-%d %H:%M UTC")
-    return str(value)
-
-
-# --- SVG charts ---------------------------------------------------------------------------------
+REGRESSION_COLOR = "#b42318"
+POSITION_RUNS = 8  # acceptance-by-position lines: the latest runs, plus all runs together
+RUNS_TABLE_ROWS = 60  # the runs table shows the latest runs; the charts show every run
+PLOTLY_CONFIG = {"displaylogo": False, "responsive": True}
+AXIS = {"gridcolor": "#e4e7eb", "linecolor": "#9aa5b1", "zeroline": False, "automargin": True}
+LAYOUT = {
+    # an explicit small template: plotly's default one adds ~10 kB of JSON to every chart
+    "template": go.layout.Template(layout={"colorway": PALETTE}),
+    "height": 340,
+    "margin": {"l": 56, "r": 16, "t": 8, "b": 8},
+    "font": {"family": "system-ui, 'DejaVu Sans', sans-serif", "size": 12, "color": "#3e4c59"},
+    "plot_bgcolor": "white",
+    "paper_bgcolor": "white",
+    "hovermode": "closest",
+    "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
+    "xaxis": AXIS,
+    "yaxis": AXIS,
+}
+MONEY_AXIS = {"tickprefix": "$", "rangemode": "tozero"}
+RATE_AXIS = {"tickformat": ".0%", "range": [0, 1.05]}
 
 
 @dataclass(frozen=True)
-class Bar:
-    value: float | None
-    color: str
-    tooltip: str
+class Chart:
+    """One dashboard panel: a plotly figure, or the reason there is none."""
+
+    key: str  # the element id of the chart
+    title: str
+    subtitle: str
+    figure: go.Figure | None
+    empty: str = "no data"
 
 
-def _nice_ticks(top: float, wanted: int = 5) -> list[float]:
-    """Round tick values from 0 to at least `top`."""
-    if top <= 0 or not math.isfinite(top):
-        top = 1.0
-    raw = top / wanted
-    magnitude = 10 ** math.floor(math.log10(raw))
-    step = next(m * magnitude for m in (1, 2, 2.5, 5, 10) if m * magnitude >= raw)
-    return [i * step for i in range(math.ceil(top / step - 1e-9) + 1)]
-
-
-def _y(value: float, top: float) -> float:
-    return MARGIN_TOP + PLOT_H * (1 - value / top)
-
-
-def _svg(label: str, body: list[str]) -> str:
-    return (
-        f'<svg class="chart" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
-        f'aria-label="{escape(label)}" xmlns="http://www.w3.org/2000/svg">{"".join(body)}</svg>'
-    )
-
-
-def _tick(value: float, fmt: Callable[[float], str]) -> str:
-    """Axis labels: percentages without decimals, plain numbers without trailing zeros."""
-    if fmt is rate:
-        return f"{value:.0%}"
-    if fmt is decimal:
-        return f"{value:,.0f}" if value == int(value) else f"{value:g}"
-    return fmt(value)
-
-
-def _axes(top: float, ticks: list[float], fmt: Callable[[float], str]) -> list[str]:
-    parts = []
-    for tick in ticks:
-        y = _y(tick, top)
-        parts.append(
-            f'<line class="grid" x1="{MARGIN_LEFT}" x2="{WIDTH - MARGIN_RIGHT}" '
-            f'y1="{y:.1f}" y2="{y:.1f}"/>'
-            f'<text x="{MARGIN_LEFT - 6}" y="{y + 4:.1f}" text-anchor="end">'
-            f"{escape(_tick(tick, fmt))}</text>"
-        )
-    base = _y(0, top)
-    parts.append(
-        f'<line class="axis" x1="{MARGIN_LEFT}" x2="{WIDTH - MARGIN_RIGHT}" '
-        f'y1="{base:.1f}" y2="{base:.1f}"/>'
-    )
-    return parts
-
-
-def _empty(label: str, message: str) -> str:
-    return _svg(
-        label,
-        [
-            f'<text class="empty" x="{WIDTH / 2}" y="{HEIGHT / 2}" text-anchor="middle">'
-            f"{escape(message)}</text>"
-        ],
-    )
-
-
-def _short(label: str, limit: int = 16) -> str:
-    return label if len(label) <= limit else label[: limit - 1] + "…"
-
-
-def bar_chart(
-    label: str,
-    groups: Sequence[tuple[str, Sequence[Bar]]],
-    fmt: Callable[[float], str],
-    top: float | None = None,
-    empty: str = "no data",
-) -> str:
-    """Bars side by side within each labelled group; a bar with value None is left out."""
-    values = [bar.value for _, bars in groups for bar in bars if bar.value is not None]
-    if not values:
-        return _empty(label, empty)
-    ticks = _nice_ticks(top if top is not None else max(values))
-    top = ticks[-1]
-    body = _axes(top, ticks, fmt)
-    group_w = PLOT_W / len(groups)
-    for index, (group_label, bars) in enumerate(groups):
-        x0 = MARGIN_LEFT + index * group_w
-        inner = group_w * 0.8
-        bar_w = inner / max(len(bars), 1)
-        for j, bar in enumerate(bars):
-            if bar.value is None:
-                continue
-            x = x0 + group_w * 0.1 + j * bar_w
-            y = _y(bar.value, top)
-            h = _y(0, top) - y
-            body.append(
-                f'<rect x="{x + bar_w * 0.06:.1f}" y="{y:.1f}" width="{max(bar_w * 0.88, 1):.1f}" '
-                f'height="{max(h, 0.5):.1f}" rx="2" fill="{bar.color}">'
-                f"<title>{escape(bar.tooltip)}</title></rect>"
-            )
-            if bar_w >= 34:
-                body.append(
-                    f'<text class="value-label" x="{x + bar_w / 2:.1f}" y="{y - 4:.1f}" '
-                    f'text-anchor="middle">{escape(fmt(bar.value))}</text>'
-                )
-        body.append(
-            f'<text x="{x0 + group_w / 2:.1f}" y="{HEIGHT - MARGIN_BOTTOM + 16}" '
-            f'text-anchor="middle"><title>{escape(group_label)}</title>'
-            f"{escape(_short(group_label, max(int(group_w / 6.5), 4)))}</text>"
-        )
-    return _svg(label, body)
-
-
-@dataclass(frozen=True)
-class Line:
-    name: str
-    color: str
-    points: Sequence[tuple[float, float | None]]
-    width: float = 2.0
-    dashed: bool = False
-
-
-def line_chart(
-    label: str,
-    lines: Sequence[Line],
-    x_label: Callable[[float], str],
-    fmt: Callable[[float], str],
-    top: float,
-    empty: str = "no data",
-) -> str:
-    """Lines over a shared numeric x axis, with dots on the points."""
-    xs = sorted({x for line in lines for x, y in line.points if y is not None})
-    if not xs:
-        return _empty(label, empty)
-    ticks = _nice_ticks(top)
-    top = ticks[-1]
-    body = _axes(top, ticks, fmt)
-    span = (xs[-1] - xs[0]) or 1
-
-    def px(x: float) -> float:
-        inset = 24
-        return MARGIN_LEFT + inset + (PLOT_W - 2 * inset) * (x - xs[0]) / span
-
-    for x in xs:
-        body.append(
-            f'<text x="{px(x):.1f}" y="{HEIGHT - MARGIN_BOTTOM + 16}" '
-            f'text-anchor="middle">{escape(x_label(x))}</text>'
-        )
-    for line in lines:
-        points = [(px(x), _y(y, top), x, y) for x, y in line.points if y is not None]
-        if not points:
-            continue
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y, _, _ in points)
-        dash = ' stroke-dasharray="6 4"' if line.dashed else ""
-        body.append(
-            f'<polyline points="{path}" fill="none" stroke="{line.color}" '
-            f'stroke-width="{line.width}" stroke-linejoin="round"{dash}/>'
-        )
-        for x, y, raw_x, raw_y in points:
-            body.append(
-                f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{line.width + 1.5}" fill="{line.color}">'
-                f"<title>{escape(f'{line.name}, {x_label(raw_x)}: {fmt(raw_y)}')}</title></circle>"
-            )
-    return _svg(label, body)
-
-
-def legend(entries: dict[str, str]) -> str:
-    return (
-        '<div class="legend">'
-        + "".join(
-            f'<span style="--swatch:{color}">{escape(name)}</span>'
-            for name, color in entries.items()
-        )
-        + "</div>"
-    )
-
-
-def _colors(names: Sequence[str]) -> dict[str, str]:
+def _colors(names: list[str]) -> dict[str, str]:
     """A stable colour per name, in order of first appearance."""
     unique = list(dict.fromkeys(names))
     return {name: PALETTE[i % len(PALETTE)] for i, name in enumerate(unique)}
 
 
-# --- the dashboard's panels ---------------------------------------------------------------------
+def _grouped(
+    rows: list[dict[str, Any]], name: Callable[[dict[str, Any]], str]
+) -> dict[str, list[dict[str, Any]]]:
+    """Rows by trace name, traces in order of first appearance."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for row in rows:
+        groups.setdefault(name(row), []).append(row)
+    return groups
+
+
+def _when(row: dict[str, Any]) -> str:
+    """A run's x position on the date axes: its start, in UTC."""
+    started = row["started_at"]
+    return started.astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+
+
+# --- trends across runs -------------------------------------------------------------------------
+
+
+def _trend_figure(
+    trends: list[dict[str, Any]], key: str, hover: Callable[[Any], str], axis: dict
+) -> go.Figure | None:
+    """One line per series (model pair x device type) over run start times; regressions
+    flagged on top with a red cross that names what got worse."""
+    rows = [row for row in trends if row[key] is not None]
+    if not rows:
+        return None
+    colors = _colors([row["series"] for row in trends])
+    figure = go.Figure()
+    for series, color in colors.items():
+        points = [row for row in rows if row["series"] == series]
+        if points:
+            figure.add_trace(go.Scatter(
+                name=series, x=[_when(p) for p in points], y=[p[key] for p in points],
+                mode="lines+markers", line={"color": color, "width": 2}, marker={"size": 5},
+                text=[f"{p['run_id']}: {hover(p[key])}" for p in points],
+                hovertemplate="%{text}<extra>%{fullData.name}</extra>",
+            ))  # fmt: skip
+    flagged = [row for row in rows if row["regression"]]
+    if flagged:
+        figure.add_trace(go.Scatter(
+            name="regression", x=[_when(p) for p in flagged], y=[p[key] for p in flagged],
+            mode="markers", marker={"symbol": "x", "size": 12, "color": REGRESSION_COLOR},
+            text=[f"{p['run_id']} ({p['series']}): {p['regression']}" for p in flagged],
+            hovertemplate="%{text}<extra>regression</extra>",
+        ))  # fmt: skip
+    figure.update_layout(yaxis=axis, xaxis={"type": "date"})
+    return figure
+
+
+def trend_charts(report: dict[str, Any]) -> list[Chart]:
+    trends = report["trends"]
+    series = "one line per model pair × device type"
+    return [
+        Chart("cost-trend", "Cost per 1M generated tokens, by run date",
+              f"{series}; × = a regression (> 20 % worse than the median of its previous runs)",
+              _trend_figure(trends, "cost_per_1m_tokens", usd, MONEY_AXIS)),
+        Chart("throughput-trend", "Tokens/s, by run date",
+              f"{series}; generated tokens ÷ shard wall seconds (per worker)",
+              _trend_figure(trends, "tokens_per_second", decimal, {"rangemode": "tozero"})),
+        Chart("acceptance-trend", "Acceptance rate, by run date",
+              f"{series}; accepted ÷ proposed draft tokens",
+              _trend_figure(trends, "acceptance_rate", rate, RATE_AXIS),
+              "no speculative decoding in these runs"),
+        Chart("speedup-trend", "Speedup vs plain decoding, by run date",
+              f"{series}; estimated plain device-seconds ÷ measured (1× = no gain)",
+              _trend_figure(trends, "speedup_vs_plain", times, {"rangemode": "tozero"}),
+              "no run has a plain-decoding estimate"),
+    ]  # fmt: skip
+
+
+def savings_chart(report: dict[str, Any]) -> Chart:
+    """Dollars saved per run against the estimated cost of decoding it plain."""
+    rows = [row for row in report["trends"] if row["cost_saved"] is not None]
+    figure = None
+    if rows:
+        figure = go.Figure()
+        colors = _colors([row["series"] for row in report["trends"]])  # as on the trend charts
+        for series, points in _grouped(rows, lambda row: row["series"]).items():
+            figure.add_trace(go.Bar(
+                name=series, x=[_when(p) for p in points], y=[p["cost_saved"] for p in points],
+                marker={"color": colors[series]},
+                text=[f"{p['run_id']}: saved {usd(p['cost_saved'])} of {usd(p['cost'])} spent "
+                      f"({times(p['speedup_vs_plain'])} vs plain)" for p in points],
+                textposition="none", hovertemplate="%{text}<extra>%{fullData.name}</extra>",
+            ))  # fmt: skip
+        figure.update_layout(yaxis={"tickprefix": "$"}, xaxis={"type": "date"}, barmode="group")
+    return Chart(
+        "savings", "What speculation saved, per run",
+        "estimated plain-decoding cost − measured cost; below zero, speculation cost money",
+        figure, "no run has a plain-decoding estimate",
+    )  # fmt: skip
+
+
+# --- acceptance and throughput ------------------------------------------------------------------
+
+
+def acceptance_per_shard_chart(report: dict[str, Any]) -> Chart:
+    shards = [shard for shard in report["shards"] if shard["proposed"]]
+    figure = None
+    if shards:
+        figure = go.Figure()
+        ordered = sorted(shards, key=lambda s: (s["run_id"], s["shard_id"]))
+        by_series = _grouped(ordered, lambda s: f"{s['model_pair']} · {s['device_type']}")
+        for series, rows in by_series.items():
+            figure.add_trace(go.Box(
+                name=series, x=[r["run_id"] for r in rows], y=[r["acceptance_rate"] for r in rows],
+                text=[r["shard_id"] for r in rows], boxpoints="outliers",
+            ))  # fmt: skip
+        figure.update_layout(yaxis=RATE_AXIS, boxmode="group", xaxis={"type": "category"})
+    return Chart(
+        "shard-acceptance", "Acceptance rate per shard, by run",
+        "accepted ÷ proposed per shard: the spread within each run, per model pair × device",
+        figure, "no speculative decoding in these runs",
+    )  # fmt: skip
+
+
+def position_curve_chart(report: dict[str, Any]) -> Chart:
+    rows = report["position_acceptance"]
+    run_order = [run["run_id"] for run in report["runs"]]
+    drafted = {row["run_id"] for row in rows if row["level"] == "run"}
+    latest = [run_id for run_id in run_order if run_id in drafted][-POSITION_RUNS:]
+    figure = None
+    if rows:
+        figure = go.Figure()
+        for run_id in [*latest, None]:
+            points = [r for r in rows if r["run_id"] == run_id]
+            figure.add_trace(go.Scatter(
+                name=run_id or "all runs", x=[f"token {p['position'] + 1}" for p in points],
+                y=[p["acceptance_rate"] for p in points], mode="lines+markers",
+                line={"width": 3, "dash": "dash", "color": "#0f172a"} if run_id is None else {},
+                hovertemplate="%{x}: %{y:.1%}<extra>%{fullData.name}</extra>",
+            ))  # fmt: skip
+        figure.update_layout(yaxis=RATE_AXIS)
+    return Chart(
+        "position-acceptance", "Acceptance by draft position",
+        f"accepted ÷ proposed at the i-th drafted token of a round; the latest {POSITION_RUNS} "
+        "drafted runs and all runs together",
+        figure, "no speculative decoding in these runs",
+    )  # fmt: skip
+
+
+def throughput_by_bucket_chart(report: dict[str, Any]) -> Chart:
+    rows = report["bucket_throughput"]
+    figure = go.Figure()
+    for name, points in _grouped(rows, lambda r: f"{r['device_type']} · {r['draft_kind']}").items():
+        figure.add_trace(go.Bar(
+            name=name, x=[f"batch {p['batch_bucket']}" for p in points],
+            y=[p["tokens_per_second"] for p in points],
+            text=[f"{decimal(p['tokens_per_second'])} tok/s over {count(p['shards'])} shards"
+                  for p in points],
+            textposition="none", hovertemplate="%{x}: %{text}<extra>%{fullData.name}</extra>",
+        ))  # fmt: skip
+    figure.update_layout(barmode="group", xaxis={"type": "category"})
+    return Chart(
+        "bucket-throughput", "Tokens/s by batch bucket",
+        "generated tokens ÷ shard wall seconds (per worker), by the largest batch bucket used",
+        figure,
+    )
+
+
+def charts(report: dict[str, Any]) -> list[Chart]:
+    """Every chart of the dashboard, in page order."""
+    return [
+        *trend_charts(report),
+        savings_chart(report),
+        acceptance_per_shard_chart(report),
+        position_curve_chart(report),
+        throughput_by_bucket_chart(report),
+    ]
+
+
+# --- the page -----------------------------------------------------------------------------------
 
 
 def _panel(title: str, subtitle: str, content: str) -> str:
@@ -259,176 +259,28 @@ def _panel(title: str, subtitle: str, content: str) -> str:
     )
 
 
-def cost_per_run_chart(report: dict[str, Any]) -> str:
-    runs = report["runs"]
-    colors = _colors([run["device_types"] for run in runs])
-    groups = [
-        (
-            run["run_id"],
-            [
-                Bar(
-                    run["cost_per_1m_tokens"],
-                    colors[run["device_types"]],
-                    f"{run['run_id']} ({run['device_types']}, {run['draft_kinds']}): "
-                    f"{usd(run['cost_per_1m_tokens'])} per 1M tokens, {usd(run['cost'])} total",
-                )
-            ],
-        )
-        for run in runs
-    ]
-    chart = bar_chart("cost per 1M generated tokens by run", groups, usd)
-    return _panel(
-        "Cost per 1M generated tokens, by run",
-        "device-seconds × $/device-hour ÷ generated tokens; colour = device type",
-        legend(colors) + chart,
-    )
+def _chart_html(chart: Chart) -> str:
+    if chart.figure is None:
+        body = f'<p class="empty" id="{chart.key}">{escape(chart.empty)}</p>'
+    else:
+        chart.figure.update_layout(LAYOUT)
+        body = pio.to_html(chart.figure, full_html=False, include_plotlyjs=False,
+                           div_id=chart.key, config=PLOTLY_CONFIG)  # fmt: skip
+    return _panel(chart.title, chart.subtitle, f'<div class="chart">{body}</div>')
 
 
-def acceptance_per_shard_chart(report: dict[str, Any]) -> str:
-    shards = [shard for shard in report["shards"] if shard["proposed"]]
-    colors = _colors([shard["draft_kind"] for shard in shards])
-    by_run: dict[str, list[Bar]] = {}
-    for shard in shards:
-        by_run.setdefault(shard["run_id"], []).append(
-            Bar(
-                shard["acceptance_rate"],
-                colors[shard["draft_kind"]],
-                f"{shard['shard_id']} ({shard['draft_kind']}): {rate(shard['acceptance_rate'])}",
-            )
-        )
-    chart = bar_chart(
-        "acceptance rate per shard",
-        list(by_run.items()),
-        rate,
-        top=1.0,
-        empty="no speculative decoding in these runs",
-    )
-    return _panel(
-        "Acceptance rate per shard",
-        "accepted ÷ proposed draft tokens, one bar per shard, grouped by run; colour = draft kind",
-        legend(colors) + chart,
-    )
-
-
-def position_curve_chart(report: dict[str, Any]) -> str:
-    rows = report["position_acceptance"]
-    run_ids = [row["run_id"] for row in rows if row["level"] == "run"]
-    colors = _colors(run_ids)
-    lines = [
-        Line(
-            run_id,
-            color,
-            [(r["position"], r["acceptance_rate"]) for r in rows if r["run_id"] == run_id],
-        )
-        for run_id, color in colors.items()
-    ]
-    total = [(r["position"], r["acceptance_rate"]) for r in rows if r["level"] == "total"]
-    lines.append(Line("all runs", "#0f172a", total, width=3.0, dashed=True))
-    chart = line_chart(
-        "acceptance by draft position",
-        lines,
-        lambda x: f"token {int(x) + 1}",
-        rate,
-        top=1.0,
-        empty="no speculative decoding in these runs",
-    )
-    return _panel(
-        "Acceptance by draft position",
-        "accepted ÷ proposed at the i-th drafted token of a round",
-        legend({**colors, "all runs": "#0f172a"} if total else {}) + chart,
-    )
-
-
-def throughput_by_bucket_chart(report: dict[str, Any]) -> str:
-    rows = report["bucket_throughput"]
-    speed = {(f"{r['device_type']} · {r['draft_kind']}", r["batch_bucket"]): r for r in rows}
-    colors = _colors([name for name, _ in speed])
-    groups = [
-        (
-            f"batch {bucket}",
-            [
-                Bar(
-                    speed.get((name, bucket), {}).get("tokens_per_second"),
-                    color,
-                    f"{name}, batch {bucket}: "
-                    f"{decimal(speed.get((name, bucket), {}).get('tokens_per_second'))} tokens/s",
-                )
-                for name, color in colors.items()
-            ],
-        )
-        for bucket in sorted({bucket for _, bucket in speed})
-    ]
-    chart = bar_chart("tokens per second by batch bucket", groups, decimal)
-    return _panel(
-        "Tokens/s by batch bucket",
-        "generated tokens ÷ shard wall seconds (per worker), by the largest batch bucket used",
-        legend(colors) + chart,
-    )
-
-
-Column = tuple[str, str, Callable[[Any], str]]
-TEXT_FORMATS = (text, model)  # left-aligned columns
-
-RUN_COLUMNS: list[Column] = [
-    ("run_id", "run", text), ("run_date", "date", text), ("device_types", "device", text),
-    ("model_pairs", "target ← draft", text), ("shards", "shards", count),
-    ("generated_tokens", "tokens", count), ("cost", "cost", usd),
-    ("cost_per_1m_tokens", "$ / 1M tok", usd), ("tokens_per_second", "tok/s", decimal),
-    ("acceptance_rate", "acceptance", rate), ("mean_accepted_length", "mean acc. len", decimal),
-    ("padding_waste", "padding", rate), ("error_rows", "error rows", count),
-]  # fmt: skip
-MODEL_PAIR_COLUMNS: list[Column] = [
-    ("target_model", "target", model), ("draft_model", "draft model", model),
-    ("draft_kind", "draft kind", text), ("device_type", "device", text),
-    ("shards", "shards", count), ("generated_tokens", "tokens", count),
-    ("cost_per_1m_tokens", "$ / 1M tok", usd), ("tokens_per_second", "tok/s", decimal),
-    ("acceptance_rate", "acceptance", rate), ("mean_accepted_length", "mean acc. len", decimal),
-    ("padding_waste", "padding", rate), ("error_rows", "error rows", count),
-]  # fmt: skip
-SHARD_COLUMNS: list[Column] = [
-    ("shard_id", "shard", text), ("run_id", "run", text), ("device_type", "device", text),
-    ("draft_kind", "draft kind", text), ("generated_tokens", "tokens", count),
-    ("wall_seconds", "wall s", decimal), ("cost", "cost", usd),
-    ("cost_per_1m_tokens", "$ / 1M tok", usd), ("tokens_per_second", "tok/s", decimal),
-    ("acceptance_rate", "acceptance", rate), ("error_rows", "error rows", count),
-]  # fmt: skip
-PRICE_COLUMNS: list[Column] = [
-    ("device_type", "device", text),
-    ("usd_per_hour", "$ / device-hour", lambda v: ", ".join(usd(x) for x in v)),
-    ("source", "source", text),
-]
-
-
-def table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
-    head = "".join(
-        f'<th class="{"text" if fmt in TEXT_FORMATS else ""}">{escape(title)}</th>'
-        for _, title, fmt in columns
-    )
-    body = []
-    for row in rows:
-        cells = []
-        for key, _, fmt in columns:
-            value = row.get(key)
-            css = "text" if fmt in TEXT_FORMATS else "bad" if key == "error_rows" and value else ""
-            cells.append(
-                f'<td class="{css}" title="{escape(text(value))}">{escape(fmt(value))}</td>'
-            )
-        body.append(f"<tr>{''.join(cells)}</tr>")
-    return (
-        f'<div class="scroll"><table><thead><tr>{head}</tr></thead>'
-        f"<tbody>{''.join(body)}</tbody></table></div>"
-    )
-
-
-def _kpis(total: dict[str, Any]) -> str:
+def _kpis(report: dict[str, Any]) -> str:
+    total = report["total"]
+    estimated = f"{total['estimated_shards']} of {total['shards']} shards estimated"
     cards = [
         ("Generated tokens", count(total["generated_tokens"]), f"{total['shards']} shards"),
         ("Cost", usd(total["cost"]), f"{decimal(total['device_seconds'])} device-seconds"),
         ("Cost / 1M tokens", usd(total["cost_per_1m_tokens"]), "all runs"),
+        ("Saved by speculation", usd(total["cost_saved"]), estimated),
+        ("Speedup vs plain", times(total["speedup_vs_plain"]), "estimated device-seconds"),
         ("Tokens / s", decimal(total["tokens_per_second"]), "per worker"),
         ("Acceptance", rate(total["acceptance_rate"]), "accepted ÷ proposed"),
-        ("Mean accepted length", decimal(total["mean_accepted_length"]), "tokens per round"),
-        ("Padding waste", rate(total["padding_waste"]), "token-weighted"),
+        ("Regressions", count(len(report["regressions"])), "runs > 20 % worse than before"),
         ("Error rows", count(total["error_rows"]), f"of {count(total['input_rows'])} input rows"),
     ]
     return "".join(
@@ -436,6 +288,31 @@ def _kpis(total: dict[str, Any]) -> str:
         f'<div class="value">{escape(value)}</div><div class="note">{escape(note)}</div></div>'
         for label, value, note in cards
     )
+
+
+def _tables(report: dict[str, Any]) -> list[str]:
+    runs = report["runs"][-RUNS_TABLE_ROWS:][::-1]
+    regressions = report["regressions"][::-1]
+    return [
+        _panel("Regressions", "runs more than 20 % worse than the median of the previous (up to) "
+               "7 runs of the same model pair × device type, newest first",
+               html_table(regressions, REGRESSION_COLUMNS) if regressions
+               else '<p class="empty">none</p>'),
+        _panel("Runs", f"the latest {len(runs)} of {len(report['runs'])} runs, newest first, "
+               "at the report's prices", html_table(runs, RUN_COLUMNS)),
+        _panel("Model pairs", "target × draft × device, all runs, cheapest per token first",
+               html_table(report["model_pairs"], MODEL_PAIR_COLUMNS)),
+        _panel("Costliest shards", f"top {len(report['costliest_shards'])} by cost",
+               html_table(report["costliest_shards"], SHARD_COLUMNS)),
+        _panel("Prices used", "$ per device-hour behind every cost above",
+               html_table(report["prices"], PRICE_COLUMNS)),
+    ]  # fmt: skip
+
+
+@cache
+def _plotly_js() -> str:
+    """plotly.js (minified, ~4.8 MB), embedded once so nothing is fetched."""
+    return get_plotlyjs()
 
 
 def render_dashboard(report: dict[str, Any], source: str) -> str:
@@ -446,35 +323,18 @@ def render_dashboard(report: dict[str, Any], source: str) -> str:
         f"{source} · {len(runs)} run(s) from {text(runs[0]['run_date'])} to "
         f"{text(runs[-1]['run_date'])} · committed shards only · generated {now}"
     )
-    charts = [
-        cost_per_run_chart(report),
-        acceptance_per_shard_chart(report),
-        position_curve_chart(report),
-        throughput_by_bucket_chart(report),
-    ]
-    tables = [
-        _panel("Runs", "totals per run at the report's prices", table(runs, RUN_COLUMNS)),
-        _panel(
-            "Model pairs",
-            "target × draft × device, all runs, cheapest per token first",
-            table(report["model_pairs"], MODEL_PAIR_COLUMNS),
-        ),
-        _panel(
-            "Costliest shards",
-            f"top {len(report['costliest_shards'])} by cost",
-            table(report["costliest_shards"], SHARD_COLUMNS),
-        ),
-        _panel("Prices used", "$ per device-hour behind every cost above",
-               table(report["prices"], PRICE_COLUMNS)),
-    ]  # fmt: skip
     return Template(TEMPLATE_PATH.read_text()).substitute(
-        title="corpusgen · cost per token & acceptance",
+        title="corpusgen · cost per token, trends & what speculation saved",
         subtitle=escape(subtitle),
-        kpis=_kpis(report["total"]),
-        charts="".join(charts),
-        tables="".join(tables),
+        plotly_js=_plotly_js(),
+        kpis=_kpis(report),
+        savings=escape(savings_line(report["total"])),
+        charts="".join(_chart_html(chart) for chart in charts(report)),
+        tables="".join(_tables(report)),
         footer=escape(
             "Figures come from the DuckDB views in schemas/metrics_views.sql over the committed "
-            "metrics; ratios are ratios of sums."
+            "metrics; ratios are ratios of sums. Plain-decoding figures are estimates: measured "
+            "[b, 1] step times × the plain steps each speculative round replaced. "
+            "Charts: plotly.js, embedded."
         ),
     )

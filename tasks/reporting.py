@@ -122,12 +122,25 @@ def _narrow_metrics(
           AND (f.since IS NULL OR m.run_date >= f.since)
         UNION ALL BY NAME SELECT * FROM metrics_schema"""
     )
+    _add_missing_columns(con)
     if not con.execute("SELECT count(*) FROM metrics").fetchone()[0]:
         runs = con.execute("SELECT DISTINCT run_id FROM committed_metrics ORDER BY 1").fetchall()
         raise NoMetricsError(
             f"no committed metrics match --run {run_ids or 'any'} --since {since or 'any'}; "
             f"runs available: {', '.join(r for (r,) in runs) or 'none'}"
         )
+
+
+def _add_missing_columns(con: duckdb.DuckDBPyConnection) -> None:
+    """Columns the schema gained after older shards were written read as nulls there."""
+    con.register("metrics_template", METRICS_SCHEMA.empty_table())
+    wanted = con.execute("SELECT column_name, column_type FROM (DESCRIBE metrics_template)")
+    wanted = wanted.fetchall()
+    present = {name for (name, *_) in con.execute("DESCRIBE metrics").fetchall()}
+    for name, column_type in wanted:
+        if name not in present:
+            con.execute(f'ALTER TABLE metrics ADD COLUMN "{name}" {column_type}')
+    con.unregister("metrics_template")
 
 
 def _records(con: duckdb.DuckDBPyConnection, query: str) -> list[dict[str, Any]]:
@@ -159,6 +172,7 @@ def build_report(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
     """Every section of the report, as plain rows (what `--format json` prints)."""
     total = _records(con, "SELECT * FROM cost_rollup WHERE level = 'total'")[0]
     shards = _records(con, "SELECT * FROM costliest_shards")
+    trends = _records(con, "SELECT * FROM run_trends")
     return {
         "prices": _prices_used(con),
         "total": {k: v for k, v in total.items() if k not in _GROUP_COLUMNS},
@@ -167,6 +181,8 @@ def build_report(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
         "position_acceptance": _records(con, "SELECT * FROM position_acceptance"),
         "bucket_throughput": _records(con, "SELECT * FROM bucket_throughput"),
         "error_reasons": _records(con, "SELECT * FROM error_reasons"),
+        "trends": trends,
+        "regressions": [row for row in trends if row["regression"]],
         "costliest_shards": shards[:COSTLIEST_SHARDS],
         "shards": sorted(shards, key=lambda s: (s["run_id"], s["shard_id"])),
     }

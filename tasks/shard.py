@@ -182,6 +182,9 @@ def _metrics_row(
     price = config.pricing.usd_per_hour()
     device_seconds = wall * config.devices_per_slot
     cost = device_seconds / 3600 * price
+    saved = engine_stats["seconds_saved_by_speculation"]
+    plain_seconds = None if saved is None else wall + saved
+    plain_cost = None if saved is None else plain_seconds * config.devices_per_slot / 3600 * price
     return {
         **{field: engine_stats[field] for field in ENGINE_METRIC_FIELDS},
         "run_id": layout.run_id,
@@ -206,6 +209,8 @@ def _metrics_row(
         "finished_at": dt.datetime.now(dt.UTC),
         "engine_load_seconds": load_seconds,
         "engine_load_cost": load_seconds * config.devices_per_slot / 3600 * price,
+        "plain_seconds_estimate": plain_seconds,
+        "plain_cost_estimate": plain_cost,
     }
 
 

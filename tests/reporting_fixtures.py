@@ -10,12 +10,15 @@ from __future__ import annotations
 import datetime as dt
 import io
 import json
+import random
+import statistics
 from typing import Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
 from schemas.arrow import METRICS_SCHEMA
 
 UTC = dt.UTC
@@ -68,6 +71,12 @@ def metrics_row(run_id: str, shard_id: str, **values: Any) -> dict[str, Any]:
     proposed, accepted, rounds = row["proposed"], row["accepted"], row["rounds"]
     row.setdefault("acceptance_rate", accepted / proposed if proposed else None)
     row.setdefault("mean_accepted_length", 1 + accepted / rounds if rounds else None)
+    if row["draft_kind"] == "none":  # plain decoding: the "plain estimate" is what it measured
+        row.setdefault("plain_seconds_estimate", row["wall_seconds"])
+    plain = row.get("plain_seconds_estimate")
+    if plain is not None:
+        plain_cost = plain * row["device_count"] / 3600 * row["price_per_device_hour"]
+        row.setdefault("plain_cost_estimate", plain_cost)
     return row
 
 
@@ -101,7 +110,8 @@ def write_shard(
 
 
 def three_runs() -> list[dict[str, Any]]:
-    """Committed rows of three runs on three devices; run-b has error rows."""
+    """Committed rows of three runs on three devices; run-b has error rows and plain-time
+    estimates (1.5x its wall time), run-c a draft but no estimate, run-a no draft."""
     day = dt.datetime(2026, 11, 30, 8, 0, tzinfo=UTC)
     return [
         metrics_row(
@@ -149,6 +159,7 @@ def three_runs() -> list[dict[str, Any]]:
             error_rows=3,
             generated_tokens=900,
             wall_seconds=6.0,
+            plain_seconds_estimate=9.0,
         ),
         metrics_row(
             "run-b",
@@ -163,6 +174,7 @@ def three_runs() -> list[dict[str, Any]]:
             accepted_per_position=[300, 200],
             proposed_per_position=[400, 400],
             wall_seconds=8.0,
+            plain_seconds_estimate=12.0,
             batch_bucket=8,
         ),
         metrics_row(
@@ -179,3 +191,91 @@ def three_runs() -> list[dict[str, Any]]:
             batch_bucket=8,
         ),
     ]
+
+
+# Two series a scheduled deployment would run every day: (run id prefix, metrics values).
+HISTORY_SERIES = (
+    ("smol-lookup", {"target_model": "packaged:smollm2-135m-instruct", "draft_model": "",
+                     "draft_kind": "prompt_lookup", "device_type": "cuda-h100",
+                     "price_per_device_hour": 2.99}),
+    ("qwen-pair", {"target_model": "/models/qwen2.5-coder-1.5b", "draft_kind": "model",
+                   "draft_model": "/models/qwen2.5-coder-0.5b", "device_type": "gaudi2",
+                   "price_per_device_hour": 1.3, "device_count": 2}),
+)  # fmt: skip
+
+
+def daily_history(
+    days: int, shards_per_run: int, slow_day: int | None = None, seed: int = 0
+) -> list[dict[str, Any]]:
+    """Metrics rows of one run per series per day, with +-5 % day-to-day noise; on `slow_day`
+    (0-based) the smol-lookup run takes 1.5x as long (a regression the report should flag)."""
+    rng = random.Random(seed)
+    first = dt.datetime(2026, 1, 1, 2, 0, tzinfo=UTC)
+    rows = []
+    for day in range(days):
+        for prefix, values in HISTORY_SERIES:
+            run_id = f"{prefix}-{day:03d}"
+            slowdown = 1.5 if day == slow_day and prefix == "smol-lookup" else 1.0
+            for index in range(shards_per_run):
+                wall = 20.0 * slowdown * rng.uniform(0.95, 1.05)
+                rows.append(metrics_row(
+                    run_id, f"{run_id}-s{index:03d}", **values, wall_seconds=wall,
+                    started_at=first + dt.timedelta(days=day, seconds=30 * index),
+                    generated_tokens=4000, accepted=rng.randint(560, 640),
+                    plain_seconds_estimate=wall * rng.uniform(1.6, 1.8),
+                ))  # fmt: skip
+    return rows
+
+
+COPY_PARAGRAPHS = [
+    "The city council met on Tuesday evening to discuss the new public library. Residents asked "
+    "for longer opening hours, more study rooms and a larger children's section.",
+    "Photosynthesis is the process by which green plants use sunlight to make food from carbon "
+    "dioxide and water. It takes place mainly in the leaves, inside chloroplasts.",
+    "Our team shipped the new release on Friday. It fixes the login timeout, speeds up the search "
+    "page by a third and adds an export button to every report.",
+    "The river rises every spring when the snow melts in the mountains. Farmers along its banks "
+    "plant late, after the water has gone down.",
+]
+COPY_PROMPTS = [
+    [{"role": "user", "content": f"Rewrite the following paragraph, keeping its wording:\n\n{p}"}]
+    for p in COPY_PARAGRAPHS
+]
+PAYOFF_GRID = BucketGrid(
+    batch_sizes=[1, 2, 4], prompt_lengths=[128], cache_lengths=[256], draft_lengths=[4]
+)
+
+
+def measure_plain_estimate(target: ModelSpec, repeats: int) -> dict[str, float]:
+    """Plain wall seconds of one batch of copy-heavy prompts: estimated and measured.
+
+    The estimate comes from a prompt-lookup run (its wall time plus the seconds speculation
+    saved, from warmed-up [b, 1] step times); the measurement from the same prompts decoded
+    plain. Runs alternate, and each figure is a median, so machine drift hits both alike.
+    """
+    from generation import Engine  # torch only for the tests that measure
+
+    params = SamplingParams(max_new_tokens=48)
+    engines = {}
+    for name, draft in (("plain", None), ("lookup", DraftSpec(kind="prompt_lookup"))):
+        config = EngineConfig(target=target, draft=draft, device="cpu", bucket_grid=PAYOFF_GRID,
+                              num_draft_tokens=4 if draft else "auto")  # fmt: skip
+        engines[name] = Engine.from_config(config)
+        engines[name].warmup()
+    samples: dict[str, list[float]] = {"measured": [], "estimated": [], "speculative": []}
+    for _ in range(repeats):
+        for name, engine in engines.items():
+            engine.reset_stats()
+            engine.generate(COPY_PROMPTS, params)
+            stats = engine.stats
+            if name == "plain":
+                samples["measured"].append(stats.wall_seconds)
+            else:
+                samples["speculative"].append(stats.wall_seconds)
+                samples["estimated"].append(stats.wall_seconds + stats.seconds_saved_by_speculation)
+    return {
+        f"{name}_plain_seconds" if name != "speculative" else "speculative_seconds": (
+            statistics.median(values)
+        )
+        for name, values in samples.items()
+    }

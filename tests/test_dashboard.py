@@ -1,260 +1,161 @@
-"""The HTML dashboard: self-contained markup with the four charts, and a real headless Chromium
-that loads it offline without console errors and paints charts (screenshot kept as an artifact).
+"""The HTML dashboard: plotly charts that carry the report's figures, in one self-contained
+page, and a real headless Chromium that loads it offline without console errors or network
+requests, paints every chart and answers a hover (screenshot kept as an artifact).
 """
 
 from __future__ import annotations
 
-import base64
 import json
 import re
-import shutil
-import subprocess
-import time
-import urllib.request
-import zlib
 from pathlib import Path
 
 import pytest
-from reporting_fixtures import metrics_row, three_runs, write_shard
-from websockets.sync.client import connect
+from headless_chromium import ChromiumMissing, colour_stats, headless_chromium
+from reporting_fixtures import daily_history, metrics_row, three_runs, write_shard
 
-from tasks.dashboard import render_dashboard
+from tasks.dashboard import charts, render_dashboard
 from tasks.reporting import build_report, open_committed_metrics
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
+def _report(tmp_path_factory, rows) -> dict:
     root = str(tmp_path_factory.mktemp("out"))
-    for row in three_runs():
+    for row in rows:
         write_shard(root, row)
     return build_report(open_committed_metrics(root))
 
 
 @pytest.fixture(scope="module")
-def dashboard_file(report, tmp_path_factory) -> Path:
+def report(tmp_path_factory) -> dict:
+    return _report(tmp_path_factory, three_runs())
+
+
+@pytest.fixture(scope="module")
+def history_report(tmp_path_factory) -> dict:
+    """Two series over 12 days, the smol-lookup run of day 10 slowed down 1.5x."""
+    return _report(tmp_path_factory, daily_history(days=12, shards_per_run=2, slow_day=10))
+
+
+@pytest.fixture(scope="module")
+def dashboard_file(history_report, tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("html") / "dashboard.html"
-    path.write_text(render_dashboard(report, "/data/out"))
+    path.write_text(render_dashboard(history_report, "/data/out"))
     return path
 
 
-def _charts(html: str) -> list[str]:
-    return re.findall(r'<svg class="chart".*?</svg>', html, re.S)
+def _by_key(report: dict) -> dict:
+    return {chart.key: chart for chart in charts(report)}
+
+
+def _traces(chart) -> dict[str, object]:
+    return {trace.name: trace for trace in chart.figure.data}
 
 
 def test_dashboard_is_self_contained(dashboard_file):
     html = dashboard_file.read_text()
-    assert "<script" not in html and "<link" not in html and "src=" not in html
-    urls = set(re.findall(r"https?://[^\s\"')]+", html))
-    assert urls == {"http://www.w3.org/2000/svg"}  # an XML namespace name, never fetched
+    assert "<link" not in html and "<img" not in html and "<iframe" not in html
+    assert re.search(r"<script[^>]*\ssrc=", html) is None  # plotly.js is inline, not fetched
+    assert html.count("plotly.js v") == 1  # embedded once for all charts
+    markup = re.sub(r"<script>.*?</script>", "", html, flags=re.S)  # plotly.js names URLs
+    assert re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", markup) is None
+    assert re.search(r"url\(|@import", markup) is None  # the CSS fetches nothing either
 
 
-def test_dashboard_charts_show_the_report(report, dashboard_file):
-    html = dashboard_file.read_text()
-    cost, acceptance, positions, buckets = _charts(html)
-    assert [label in cost for label in (">$2.50<", ">$5.32<", ">$0.66<")] == [True] * 3
-    assert acceptance.count("<rect") == 3  # run-b's two shards and run-c's one; run-a drafts none
-    assert "run-b-s1 (model): 62.5%" in acceptance
-    assert positions.count("<polyline") == 3  # run-b, run-c, all runs
-    assert "all runs, token 1: 66.7%" in positions
-    assert [f"batch {b}" in buckets for b in (2, 4, 8)] == [True] * 3
-    assert "cuda-h100 · prompt_lookup, batch 8: 1,250 tokens/s" in buckets
-    assert "report override" not in html and "recorded in the metrics at run time" in html
+def test_charts_carry_the_report_figures(report):
+    chart = _by_key(report)
+    runs = {run["run_id"]: run for run in report["trends"]}
+    cost = _traces(chart["cost-trend"])
+    assert set(cost) == {"tiny-llama <- none · cpu", "tiny-llama <- tiny-draft · gaudi2",
+                         "tiny-llama <- prompt_lookup · cuda-h100"}  # fmt: skip
+    assert cost["tiny-llama <- tiny-draft · gaudi2"].y == (runs["run-b"]["cost_per_1m_tokens"],)
+    assert "run-b: $5.32" in cost["tiny-llama <- tiny-draft · gaudi2"].text[0]
+    savings = _traces(chart["savings"])  # run-c drafted without an estimate: no bar
+    assert set(savings) == {"tiny-llama <- none · cpu", "tiny-llama <- tiny-draft · gaudi2"}
+    assert savings["tiny-llama <- tiny-draft · gaudi2"].y == (runs["run-b"]["cost_saved"],)
+    assert "(1.50× vs plain)" in savings["tiny-llama <- tiny-draft · gaudi2"].text[0]
+    boxes = _traces(chart["shard-acceptance"])  # run-a drafts nothing
+    assert sorted(len(box.y) for box in boxes.values()) == [1, 2]
+    positions = _traces(chart["position-acceptance"])
+    assert list(positions) == ["run-b", "run-c", "all runs"]
+    assert positions["all runs"].y[0] == pytest.approx(800 / 1200)
+    buckets = _traces(chart["bucket-throughput"])
+    assert buckets["cuda-h100 · prompt_lookup"].y == (1250.0,)
+    assert {x for trace in buckets.values() for x in trace.x} == {"batch 2", "batch 4", "batch 8"}
 
 
-def test_dashboard_without_speculation_says_so_and_escapes_names(tmp_path):
-    root = str(tmp_path)
+def test_trend_charts_mark_the_regression(history_report):
+    chart = _by_key(history_report)
+    for key in ("cost-trend", "throughput-trend"):
+        flagged = _traces(chart[key])["regression"]
+        assert len(flagged.x) == 1 and flagged.x[0].startswith("2026-01-11")
+        assert "smol-lookup-010" in flagged.text[0] and "cost/1M tokens +" in flagged.text[0]
+    lines = _traces(chart["cost-trend"])
+    assert [len(trace.x) for name, trace in lines.items() if name != "regression"] == [12, 12]
+
+
+def test_dashboard_without_speculation_says_so_and_escapes_names(tmp_path_factory):
     no_draft = {"draft_kind": "none", "rounds": 0, "proposed": 0, "accepted": 0}
     lists = {"accepted_per_position": [], "proposed_per_position": []}
     # as the pipeline writes a run without draft: rate 0.0, draft_model "" (not nulls)
     row = metrics_row("run-a", "s0", target_model="/models/<i>m", draft_model="",
                       acceptance_rate=0.0, **no_draft, **lists)  # fmt: skip
-    write_shard(root, row)
-    report = build_report(open_committed_metrics(root))
+    report = _report(tmp_path_factory, [row])
     assert report["shards"][0]["acceptance_rate"] is None
-    html = render_dashboard(report, root)
-    assert html.count("no speculative decoding in these runs") == 2
-    assert "<i>" not in html and "&lt;i&gt;m &lt;- none" in html
+    html = render_dashboard(report, "/data/<out>")
+    assert html.count("no speculative decoding in these runs") == 3
+    assert "<i>" not in html and "&lt;i&gt;m &lt;- none" in html  # tables
+    assert "\\u003ci\\u003em \\u003c- none" in html  # chart data (JSON)
 
 
 # --- the browser test ----------------------------------------------------------------------------
 
 
-class DevTools:
-    """A minimal Chrome DevTools Protocol session on one page, recording every event."""
-
-    def __init__(self, websocket_url: str):
-        self.socket = connect(websocket_url, max_size=None, open_timeout=30)
-        self.events: list[dict] = []
-        self._next_id = 0
-
-    def call(self, method: str, **params) -> dict:
-        self._next_id += 1
-        self.socket.send(json.dumps({"id": self._next_id, "method": method, "params": params}))
-        while True:
-            message = json.loads(self.socket.recv(timeout=60))
-            if message.get("id") == self._next_id:
-                if "error" in message:
-                    raise RuntimeError(f"{method}: {message['error']}")
-                return message["result"]
-            self.events.append(message)
-
-    def wait_for(self, method: str, timeout: float = 30) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for event in self.events:
-                if event.get("method") == method:
-                    return event
-            self.events.append(json.loads(self.socket.recv(timeout=deadline - time.monotonic())))
-        raise TimeoutError(method)
-
-    def problems(self) -> list[str]:
-        """Console errors, uncaught exceptions and any request that would leave the file."""
-        found = []
-        for event in self.events:
-            method, params = event.get("method"), event.get("params", {})
-            if method == "Runtime.exceptionThrown":
-                found.append(f"uncaught: {params['exceptionDetails'].get('text')}")
-            elif method == "Runtime.consoleAPICalled" and params["type"] in ("error", "assert"):
-                found.append(f"console.{params['type']}: {params['args']}")
-            elif method == "Log.entryAdded" and params["entry"]["level"] == "error":
-                found.append(f"log: {params['entry']['text']}")
-            elif method == "Network.requestWillBeSent":
-                url = params["request"]["url"]
-                if not url.startswith(("file:", "data:", "about:")):
-                    found.append(f"network request: {url}")
-        return found
-
-    def open(self, url: str) -> None:
-        self.events.clear()
-        for domain in ("Runtime", "Log", "Network", "Page"):
-            self.call(f"{domain}.enable")
-        self.call("Page.navigate", url=url)
-        self.wait_for("Page.loadEventFired")
-
-    def evaluate(self, expression: str):
-        return self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"][
-            "value"
-        ]
-
-    def screenshot(self, clip: dict | None = None) -> bytes:
-        params = {"format": "png", "captureBeyondViewport": True}
-        if clip:
-            params["clip"] = {**clip, "scale": 1}
-        return base64.b64decode(self.call("Page.captureScreenshot", **params)["data"])
-
-
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    executable = shutil.which("chromium")
-    if executable is None:
-        pytest.fail(
-            "Debian's chromium is missing: run `bash tests/ensure_chromium.sh` (make test does)"
-        )
-    profile = tmp_path_factory.mktemp("chromium-profile")
-    process = subprocess.Popen(
-        [executable, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
-         "--no-first-run", "--disable-background-networking", "--disable-component-update",
-         "--disable-sync", f"--user-data-dir={profile}", "--remote-debugging-port=0",
-         "--remote-allow-origins=*", "--window-size=1400,1000", "about:blank"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
     try:
-        port_file, deadline = profile / "DevToolsActivePort", time.monotonic() + 60
-        while not port_file.exists() or not port_file.read_text().strip():
-            if time.monotonic() > deadline or process.poll() is not None:
-                pytest.fail(f"chromium did not start (exit code {process.poll()})")
-            time.sleep(0.1)
-        port = port_file.read_text().split()[0]
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/json/list", timeout=10) as reply:
-            page = next(t for t in json.load(reply) if t["type"] == "page")
-        session = DevTools(page["webSocketDebuggerUrl"])
-        session.call("Emulation.setDeviceMetricsOverride", width=1400, height=1000,
-                     deviceScaleFactor=1, mobile=False)  # fmt: skip
-        yield session
-        session.socket.close()
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        with headless_chromium(tmp_path_factory.mktemp("chromium-profile")) as session:
+            yield session
+    except ChromiumMissing as exc:
+        pytest.fail(str(exc))
 
 
-def decode_png(data: bytes) -> tuple[int, int, list[bytes], int]:
-    """(width, height, rows, bytes per pixel) of an 8-bit RGB/RGBA PNG, as Chromium writes it."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    position, compressed = 8, b""
-    while position < len(data):
-        length = int.from_bytes(data[position : position + 4], "big")
-        kind, body = data[position + 4 : position + 8], data[position + 8 : position + 8 + length]
-        position += 12 + length
-        if kind == b"IHDR":
-            width, height = int.from_bytes(body[:4], "big"), int.from_bytes(body[4:8], "big")
-            assert body[8] == 8 and body[12] == 0, "expected 8-bit, non-interlaced"
-            bpp = {2: 3, 6: 4}[body[9]]
-        elif kind == b"IDAT":
-            compressed += body
-    raw, stride, rows = zlib.decompress(compressed), width * bpp, []
-    previous = bytearray(stride)
-    for y in range(height):
-        start = y * (stride + 1)
-        kind, line = raw[start], bytearray(raw[start + 1 : start + 1 + stride])
-        for x in range(stride):
-            left = line[x - bpp] if x >= bpp else 0
-            up, up_left = previous[x], (previous[x - bpp] if x >= bpp else 0)
-            if kind == 1:
-                line[x] = (line[x] + left) & 255
-            elif kind == 2:
-                line[x] = (line[x] + up) & 255
-            elif kind == 3:
-                line[x] = (line[x] + (left + up) // 2) & 255
-            elif kind == 4:
-                p = left + up - up_left
-                pa, pb, pc = abs(p - left), abs(p - up), abs(p - up_left)
-                line[x] = (
-                    line[x] + (left if pa <= pb and pa <= pc else up if pb <= pc else up_left)
-                ) & 255
-        rows.append(bytes(line))
-        previous = line
-    return width, height, rows, bpp
+CHART_BOXES = """JSON.stringify([...document.querySelectorAll('.js-plotly-plot')].map(div => {
+  const box = div.getBoundingClientRect();
+  return {id: div.id, x: box.x + scrollX, y: box.y + scrollY, width: box.width,
+          height: box.height, marks: div.querySelectorAll('.main-svg path, .main-svg rect').length};
+}))"""
 
 
-def colour_stats(png: bytes) -> tuple[int, float]:
-    """(distinct colours, share of pixels that are not near-white)."""
-    width, height, rows, bpp = decode_png(png)
-    colours, inked = set(), 0
-    for row in rows:
-        for x in range(0, width * bpp, bpp):
-            pixel = row[x : x + 3]
-            colours.add(pixel)
-            inked += min(pixel) < 235
-    return len(colours), inked / (width * height)
-
-
-def test_dashboard_in_headless_chromium(browser, dashboard_file):
+def test_dashboard_in_headless_chromium(browser, dashboard_file, history_report):
     browser.open(dashboard_file.as_uri())
+    browser.wait_until("[...document.querySelectorAll('.plotly-graph-div')]"
+                       ".every(d => d._fullLayout && d.querySelector('.main-svg'))")  # fmt: skip
     assert browser.problems() == []
-    charts = browser.evaluate(
-        """JSON.stringify([...document.querySelectorAll('svg.chart')].map(svg => {
-             const box = svg.getBoundingClientRect();
-             return {x: box.x + scrollX, y: box.y + scrollY, width: box.width, height: box.height,
-                     marks: svg.querySelectorAll('rect, circle, polyline').length};
-           }))"""
-    )
-    charts = json.loads(charts)
-    assert len(charts) == 4
+    boxes = json.loads(browser.evaluate(CHART_BOXES))
+    assert [box["id"] for box in boxes] == [chart.key for chart in charts(history_report)]
     ARTIFACTS.mkdir(exist_ok=True)
     full_page = browser.screenshot()
     (ARTIFACTS / "dashboard.png").write_bytes(full_page)
-    for index, chart in enumerate(charts):
-        assert chart["width"] > 300 and chart["height"] > 150 and chart["marks"] > 0, chart
-        clip = {key: chart[key] for key in ("x", "y", "width", "height")}
+    for box in boxes:
+        assert box["width"] > 300 and box["height"] > 250 and box["marks"] > 0, box
+        clip = {key: box[key] for key in ("x", "y", "width", "height")}
         distinct, inked = colour_stats(browser.screenshot(clip))
-        assert distinct >= 8 and inked > 0.03, (index, distinct, inked)
+        assert distinct >= 8 and inked > 0.03, (box["id"], distinct, inked)
     assert colour_stats(full_page)[0] > 50
+
+
+def test_chart_hover_names_the_run(browser, dashboard_file):
+    """Interactive, not a picture: hovering the flagged point shows its regression."""
+    browser.open(dashboard_file.as_uri())
+    browser.wait_until("document.getElementById('cost-trend')._fullLayout !== undefined")
+    browser.evaluate("""(() => { const div = document.getElementById('cost-trend');
+        const flagged = div.data.findIndex(trace => trace.name === 'regression');
+        Plotly.Fx.hover(div, [{curveNumber: flagged, pointNumber: 0}]); return flagged; })()""")
+    browser.wait_until("document.querySelector('#cost-trend .hoverlayer .hovertext') !== null")
+    hover = browser.evaluate("document.querySelector('#cost-trend .hoverlayer').textContent")
+    assert "smol-lookup-010" in hover and "cost/1M tokens +" in hover
+    assert browser.problems() == []
 
 
 def test_browser_check_catches_a_broken_page(browser, tmp_path):

@@ -7,12 +7,15 @@ import datetime as dt
 import io
 import json
 import re
+import statistics
 from pathlib import Path
 
 import duckdb
 import pyarrow as pa
 import pyarrow.dataset as ds
+import pyarrow.parquet as pq
 import pytest
+from engine_helpers import engine_for, varied_prompts
 from pipeline_fixtures import (
     good_rows,
     prefect_server,  # noqa: F401  (session fixture)
@@ -20,11 +23,19 @@ from pipeline_fixtures import (
     tiny_engine,
     write_jsonl,
 )
-from reporting_fixtures import metrics_row, three_runs, write_shard
+from reporting_fixtures import (
+    daily_history,
+    measure_plain_estimate,
+    metrics_row,
+    three_runs,
+    write_shard,
+)
 from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.generate import generate_corpus
+from generation.metrics import EngineStats
+from schemas import SamplingParams
 from schemas.arrow import METRICS_SCHEMA
 from schemas.pricing import (
     DEFAULT_PRICES_PATH,
@@ -356,9 +367,13 @@ def test_report_over_two_real_pipeline_runs(tmp_path, tiny_llama_dir):
     assert runs["drafted"]["acceptance_rate"] == pytest.approx(
         runs["drafted"]["accepted"] / runs["drafted"]["proposed"]
     )
+    assert runs["plain"]["speedup_vs_plain"] == pytest.approx(1.0)
+    assert runs["plain"]["cost_saved"] == pytest.approx(0.0)
+    assert runs["drafted"]["estimated_shards"] == runs["drafted"]["shards"]  # warmed up
+    assert runs["drafted"]["speedup_vs_plain"] > 0
     positions = [p for p in report["position_acceptance"] if p["run_id"] == "drafted"]
     assert [p["position"] for p in positions] == [0, 1]
-    assert "<svg" in render_dashboard(report, out)
+    assert render_dashboard(report, out).count('class="plotly-graph-div"') == 8
 
 
 @pytest.mark.slow
@@ -371,3 +386,119 @@ def test_report_over_a_smollm2_run_with_prompt_lookup(tmp_path, smollm2_spec):
     (run,) = build_report(open_committed_metrics(out))["runs"]
     check_run_against_outputs(out, run, summary)
     assert run["error_rows"] == 2 and run["model_pairs"] == f"{smollm2_spec.path} <- prompt_lookup"
+
+
+# --- the speculation payoff: what plain decoding would have cost ----------------------------------
+
+
+def test_plain_estimate_adds_measured_step_time_per_plain_step_needed():
+    stats = EngineStats(draft_seconds=0.5, verify_seconds=1.0)
+    stats.record_plain_estimate(tokens=12, rows=4, plain_step_seconds=0.1)  # 3 plain steps
+    stats.record_plain_estimate(tokens=5, rows=1, plain_step_seconds=0.2)  # 5 plain steps
+    assert stats.plain_seconds_for_rounds == pytest.approx(0.3 + 1.0)
+    assert stats.seconds_saved_by_speculation == pytest.approx(1.3 - 1.5)
+    stats.record_plain_estimate(tokens=3, rows=1, plain_step_seconds=None)
+    assert stats.seconds_saved_by_speculation is None  # one unmeasured round: no estimate
+    assert EngineStats().seconds_saved_by_speculation == 0.0  # plain decoding saves nothing
+
+
+def test_plain_estimate_is_unknown_without_warm_up(tiny_llama_dir):
+    """No warm-up: no [b, 1] vs [b, K+1] step-time ratio to scale the rounds' verify time by."""
+    engine = engine_for(tiny_llama_dir, draft={"kind": "prompt_lookup"}, num_draft_tokens=2)
+    engine.generate(varied_prompts(3), SamplingParams(max_new_tokens=6))
+    assert engine.stats.rounds > 0 and engine.stats.seconds_saved_by_speculation is None
+    engine.warmup()
+    engine.generate(varied_prompts(3), SamplingParams(max_new_tokens=6))
+    assert engine.stats.plain_seconds_for_rounds > 0
+
+
+PLAIN_ESTIMATE_ERROR = 0.25  # stated in the README: estimate within ±25 % of a measured plain run
+
+
+@pytest.mark.slow
+def test_plain_estimate_is_close_to_a_measured_plain_run(smollm2_spec):
+    """SmolLM2 with a prompt-lookup draft on copy-heavy prompts vs the same prompts plain:
+    the lookup run's estimate of plain wall time against the plain run's measured wall time
+    (interleaved, medians of 2; bench/payoff.py prints the same comparison)."""
+    seconds = measure_plain_estimate(smollm2_spec, repeats=2)
+    estimate, measured = seconds["estimated_plain_seconds"], seconds["measured_plain_seconds"]
+    assert measured > 0
+    assert abs(estimate / measured - 1) < PLAIN_ESTIMATE_ERROR, (estimate, measured)
+
+
+def test_report_savings_per_run_and_model_pair(local_runs):
+    report = build_report(open_committed_metrics(local_runs, price_overrides={"gaudi2": 2.0}))
+    runs = _by(report["runs"], "run_id")
+    run_b = runs["run-b"]  # 2 devices, plain estimates 9 s and 12 s against 6 s and 8 s of wall
+    assert run_b["estimated_shards"] == 2
+    assert run_b["plain_cost_estimate"] == pytest.approx(2 * (9 + 12) / 3600 * 2.0)
+    assert run_b["cost_saved"] == pytest.approx(2 * (9 + 12 - 6 - 8) / 3600 * 2.0)
+    assert run_b["speedup_vs_plain"] == pytest.approx(21 / 14)
+    run_a = runs["run-a"]  # plain decoding: its own time is the plain figure, nothing saved
+    assert run_a["speedup_vs_plain"] == pytest.approx(1.0) and run_a["cost_saved"] == 0
+    run_c = runs["run-c"]  # drafted without an estimate: unknown, not zero
+    assert run_c["estimated_shards"] == 0
+    assert run_c["cost_saved"] is None and run_c["speedup_vs_plain"] is None
+    total = report["total"]  # only shards with an estimate count towards the savings
+    assert total["estimated_shards"] == 4
+    assert total["speedup_vs_plain"] == pytest.approx((20 + 25 + 2 * 21) / (20 + 25 + 2 * 14))
+    shard = _by(report["shards"], "shard_id")["run-b-s1"]
+    assert shard["speedup_vs_plain"] == pytest.approx(12 / 8)
+
+
+def test_report_reads_metrics_written_before_the_payoff_columns(tmp_path):
+    """Older shards lack columns added later: they read as nulls, not as an error."""
+    root = str(tmp_path)
+    old_schema = pa.schema([f for f in METRICS_SCHEMA if not f.name.startswith("plain_")])
+    row = metrics_row("run-old", "s0")
+    path = write_shard(root, row)
+    pq.write_table(pa.Table.from_pylist([row], schema=old_schema), path)
+    (run,) = build_report(open_committed_metrics(root))["runs"]
+    assert run["generated_tokens"] == 1000 and run["speedup_vs_plain"] is None
+
+
+def test_trends_flag_a_run_notably_worse_than_its_previous_runs(tmp_path):
+    root = str(tmp_path)
+    for row in daily_history(days=10, shards_per_run=2, slow_day=8):
+        write_shard(root, row)
+    report = build_report(open_committed_metrics(root))
+    trends = report["trends"]
+    assert len(trends) == 20 and {t["series"] for t in trends} == {
+        "packaged:smollm2-135m-instruct <- prompt_lookup · cuda-h100",
+        "qwen2.5-coder-1.5b <- qwen2.5-coder-0.5b · gaudi2",
+    }
+    smol = [t for t in trends if t["run_id"].startswith("smol")]
+    assert [t["baseline_runs"] for t in smol] == [0, 1, 2, 3, 4, 5, 6, 7, 7, 7]
+    slow = smol[8]
+    median = statistics.median(t["cost_per_1m_tokens"] for t in smol[1:8])
+    assert slow["baseline_cost_per_1m_tokens"] == pytest.approx(median)
+    assert slow["cost_change"] == pytest.approx(slow["cost_per_1m_tokens"] / median - 1)
+    assert slow["cost_change"] > 0.4
+    assert (
+        slow["regression"] == f"cost/1M tokens {100 * slow['cost_change']:+.0f}%; "
+        f"tokens/s {100 * slow['throughput_change']:+.0f}%"
+    )
+    assert [r["run_id"] for r in report["regressions"]] == ["smol-lookup-008"]  # noise: +-5 %
+
+
+def test_trends_need_three_previous_runs_before_flagging(tmp_path):
+    root = str(tmp_path)
+    for row in daily_history(days=3, shards_per_run=1, slow_day=2):
+        write_shard(root, row)
+    report = build_report(open_committed_metrics(root))
+    slow = next(t for t in report["trends"] if t["run_id"] == "smol-lookup-002")
+    assert slow["cost_change"] > 0.4 and slow["regression"] is None
+    assert report["regressions"] == []
+
+
+def test_cli_over_a_history_lists_regressions_savings_and_writes_the_dashboard(tmp_path):
+    root = str(tmp_path / "out")
+    for row in daily_history(days=6, shards_per_run=1, slow_day=5):
+        write_shard(root, row)
+    html = tmp_path / "dash.html"
+    result = invoke(root, "--html", str(html))
+    assert result.exit_code == 0, result.output
+    assert "Regressions" in result.stdout and "smol-lookup-005" in result.stdout
+    assert "speculation saved $" in result.stdout and "of 12 shards" in result.stdout
+    page = html.read_text()
+    assert page.count('class="plotly-graph-div"') == 8 and "smol-lookup-005" in page
