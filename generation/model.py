@@ -38,6 +38,7 @@ class DecoderConfig:
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None
+    sliding_layers: tuple[bool, ...]  # per layer: does it attend within sliding_window only?
 
     @classmethod
     def from_hf(cls, raw: dict) -> DecoderConfig:
@@ -60,13 +61,21 @@ class DecoderConfig:
                 )
             if scaling_type == "default":
                 scaling = None
-        heads = raw["num_attention_heads"]
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        activation = raw.get("hidden_act", "silu")
+        if activation != "silu":
+            raise UnsupportedModelError(
+                f"hidden_act {activation!r} is not supported by the corpusgen engine (silu is)"
+            )
+        heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
+        # Qwen2 windows only when use_sliding_window is set (transformers' default is off);
+        # Mistral has no such switch.
+        windowed = raw.get("use_sliding_window", model_type != "qwen2")
+        sliding = raw.get("sliding_window") if windowed else None
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
@@ -78,7 +87,21 @@ class DecoderConfig:
             mlp_bias=raw.get("mlp_bias", False),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             sliding_window=sliding,
+            sliding_layers=_sliding_layers(raw, model_type, layers, sliding),
         )
+
+
+def _sliding_layers(raw: dict, model_type: str, layers: int, window: int | None):
+    """Which layers use the window: transformers 5 lists `layer_types`; before that, Qwen2
+    windows layers from `max_window_layers` on and Mistral windows them all."""
+    if window is None:
+        return (False,) * layers
+    if raw.get("layer_types"):
+        return tuple(kind == "sliding_attention" for kind in raw["layer_types"])
+    if model_type == "qwen2":
+        first = raw.get("max_window_layers", layers)
+        return tuple(index >= first for index in range(layers))
+    return (True,) * layers
 
 
 def rope_inverse_frequencies(config: DecoderConfig) -> torch.Tensor:
@@ -229,7 +252,7 @@ class CausalLM(nn.Module):
         tokens: torch.Tensor,  # [b, t]
         positions: torch.Tensor,  # [b, t] absolute position of each token
         rows: torch.Tensor,  # [b] cache row of each batch entry
-        mask: torch.Tensor,  # [b, 1, t, keys] bool: which keys each query may see
+        mask: torch.Tensor,  # [b, 1, t, keys] bool: causal visibility (windows applied here)
         logit_index: torch.Tensor,  # [b, n] which of the t positions need logits
         cache: KVCache,
         attend_len: int,  # 0: attend to this forward's tokens only; else cache prefix length
@@ -239,10 +262,21 @@ class CausalLM(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         heads = torch.arange(self.config.num_kv_heads, device=tokens.device)
         write_index = (rows[:, None, None], heads[None, :, None], positions[:, None, :])
-        for layer, keys, values in zip(self.model.layers, cache.keys, cache.values, strict=True):
-            x = layer(x, cos, sin, mask, keys, values, write_index, attend_len)
+        masks = {False: mask, True: self._windowed(mask, positions)}
+        layers = zip(self.model.layers, cache.keys, cache.values, self.config.sliding_layers,
+                     strict=True)
+        for layer, keys, values, sliding in layers:
+            x = layer(x, cos, sin, masks[sliding], keys, values, write_index, attend_len)
         x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x)).float()
+
+    def _windowed(self, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`mask` limited to the last sliding_window positions (cache index == position)."""
+        window = self.config.sliding_window
+        if window is None or not any(self.config.sliding_layers):
+            return mask
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        return mask & (keys > positions[:, None, :, None] - window)
 
     def to_dtype(self, dtype: torch.dtype) -> CausalLM:
         """Cast weights, keeping the RoPE tables in fp32 (positions need the precision)."""
