@@ -18,7 +18,10 @@ import torch
 from _common import hf_generate, timed
 
 from generation import Engine
+from generation.engine import DTYPES, load_model
 from generation.loading import load_tokenizer, resolve_model_dir
+from generation.proposers import ModelProposer, PromptLookupProposer
+from generation.runner import ModelRunner
 from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
 TARGET = ModelSpec(path="packaged:qwen2.5-coder-1.5b-instruct")
@@ -67,12 +70,37 @@ ENGINES = {
 }
 
 
-def hf_models():
+def hf_models(dtype: torch.dtype):
     from transformers import AutoModelForCausalLM
 
-    target = AutoModelForCausalLM.from_pretrained(resolve_model_dir(TARGET)).eval()
-    draft = AutoModelForCausalLM.from_pretrained(resolve_model_dir(DRAFT)).eval()
+    target = AutoModelForCausalLM.from_pretrained(resolve_model_dir(TARGET), dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(resolve_model_dir(DRAFT), dtype=dtype).eval()
     return target, draft, load_tokenizer(resolve_model_dir(TARGET))
+
+
+def build_engines(dtype: str, threads: int) -> dict[str, Engine]:
+    """Every contender over the same loaded weights (one copy of each model in memory)."""
+    device = torch.device("cpu")
+    target_spec = TARGET.model_copy(update={"dtype": dtype})
+    draft_spec = DRAFT.model_copy(update={"dtype": dtype})
+    target = load_model(target_spec, GRID.max_cache, device)
+    draft = load_model(draft_spec, GRID.max_cache, device)
+    engines = {}
+    for name, overrides in ENGINES.items():
+        spec = overrides.get("draft")
+        if spec is not None and spec.kind == "model":
+            overrides = {**overrides, "draft": spec.model_copy(update={"model": draft_spec})}
+        config = EngineConfig(target=target_spec, device="cpu", bucket_grid=GRID,
+                              cpu_threads=threads, **overrides)
+        proposer, loaded_draft = None, None
+        if spec is not None and spec.kind == "model":
+            runner = ModelRunner(draft.model, GRID, device, DTYPES[dtype], False, False)
+            proposer, loaded_draft = ModelProposer(runner), draft
+        elif spec is not None:
+            proposer = PromptLookupProposer(spec.ngram_max, spec.ngram_min)
+        engines[name] = Engine(config, target, device, proposer, loaded_draft)
+        engines[name].warmup()
+    return engines
 
 
 def main() -> None:
@@ -81,16 +109,12 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    engines = {}
-    for name, overrides in ENGINES.items():
-        config = EngineConfig(target=TARGET, device="cpu", bucket_grid=GRID,
-                              cpu_threads=args.threads, **overrides)
-        engines[name] = Engine.from_config(config)
-        engines[name].warmup()
-    hf_target, hf_draft, tokenizer = hf_models()
+    engines = build_engines(args.dtype, args.threads)
+    hf_target, hf_draft, tokenizer = hf_models(DTYPES[args.dtype])
     baselines = {"hf_plain": {}, "hf_assisted_0.5b": {"assistant_model": hf_draft},
                  "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4}}
 
@@ -137,7 +161,8 @@ def main() -> None:
             tps[f"{b1}/hf_assisted_0.5b"] / tps[f"{b1}/hf_plain"], 3)
     identical = all(all(run == runs[0] for run in runs) for runs in outputs.values())
     print(json.dumps({
-        "target": TARGET.path, "draft": DRAFT.path, "max_new_tokens": args.max_new_tokens,
+        "target": TARGET.path, "draft": DRAFT.path, "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "torch_threads": args.threads,
         "all_engine_outputs_identical_to_plain": identical,
         "tokens_per_second": tps, "ratios": ratios, "acceptance": acceptance,
