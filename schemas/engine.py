@@ -11,7 +11,10 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 PACKAGED_PREFIX = "packaged:"
-PACKAGED_MODELS = ("smollm2-135m-instruct",)
+# Names only (schemas import nothing of the project): generation/loading.py says where each lives.
+PACKAGED_MODELS = (
+    "smollm2-135m-instruct", "qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct",
+)
 DType = Literal["float32", "bfloat16", "float16"]
 # First-step widths of a model draft: how far its cache may lag the context (K auto runs plain
 # steps that skip the draft). Here, not in generation/, so configs can be checked without torch.
@@ -27,7 +30,7 @@ class ModelSpec(_Strict):
     """Where a model's weights come from.
 
     `path` is a local Hugging Face directory (config.json + safetensors + tokenizer), a `.gguf`
-    file (dequantised once and cached as safetensors), or `packaged:smollm2-135m-instruct`.
+    file (dequantised once and cached as safetensors), or `packaged:<name>` (PACKAGED_MODELS).
     """
 
     path: str

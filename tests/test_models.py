@@ -46,6 +46,11 @@ VARIANTS = {
         dict(sliding_window=8, tie_word_embeddings=False),
     ),
     "qwen2-qkv-bias": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
+    "qwen2-window-on-upper-layers": (
+        Qwen2Config,
+        Qwen2ForCausalLM,
+        dict(use_sliding_window=True, sliding_window=6, max_window_layers=1),
+    ),
 }
 
 
@@ -63,9 +68,6 @@ def full_forward(model: CausalLM, tokens: torch.Tensor, cache: KVCache) -> torch
     b, t = tokens.shape
     positions = torch.arange(t).expand(b, t)
     mask = torch.ones(t, t, dtype=torch.bool).tril()[None, None].expand(b, 1, t, t)
-    window = model.config.sliding_window
-    if window is not None:
-        mask = mask & ~torch.ones(t, t, dtype=torch.bool).tril(-window)
     return model(tokens, positions, torch.arange(b), mask, positions, cache, attend_len=0)
 
 
@@ -91,9 +93,7 @@ def test_cached_decode_matches_full_forward(variant):
         full_forward(ours, tokens[:, :12], cache)
         positions = 12 + torch.arange(5).expand(2, 5)
         keys = torch.arange(32)[None, None, :]
-        visible = keys <= positions[:, :, None]
-        if ours.config.sliding_window:
-            visible &= keys > positions[:, :, None] - ours.config.sliding_window
+        visible = keys <= positions[:, :, None]  # causal only: the model applies windows
         got = ours(
             tokens[:, 12:],
             positions,
@@ -118,6 +118,22 @@ def test_smollm2_logits_match_transformers(smollm2_dir):
     with torch.no_grad():
         diff = (full_forward(ours.eval(), tokens, cache) - reference(tokens).logits).abs().max()
     assert diff.item() < 1e-4
+
+
+def test_sliding_window_only_where_the_config_says():
+    base = {**Qwen2Config(**TINY).to_dict(), "layer_types": None, "sliding_window": 6}
+    assert DecoderConfig.from_hf(base).sliding_layers == (False, False)  # use_sliding_window off
+    on = {**base, "use_sliding_window": True, "max_window_layers": 1}
+    assert DecoderConfig.from_hf(on).sliding_layers == (False, True)
+    listed = {**on, "layer_types": ["sliding_attention", "full_attention"]}
+    assert DecoderConfig.from_hf(listed).sliding_layers == (True, False)
+    mistral = {**MistralConfig(**TINY, sliding_window=8).to_dict(), "layer_types": None}
+    assert DecoderConfig.from_hf(mistral).sliding_layers == (True, True)
+
+
+def test_an_unimplemented_activation_is_refused():
+    with pytest.raises(UnsupportedModelError, match="hidden_act 'gelu'"):
+        DecoderConfig.from_hf({**Qwen2Config(**TINY).to_dict(), "hidden_act": "gelu"})
 
 
 def test_unsupported_architecture_names_the_supported_ones():

@@ -1,0 +1,176 @@
+"""Speculation on a real pair: Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft (`make models`).
+
+One process, one thread, greedy, the same prompts for every contender, interleaved repetitions,
+medians. Engine: plain target; + 0.5B draft at K fixed and auto; + prompt lookup. transformers
+at batch 1 (its assisted generation refuses batch > 1): plain `generate`, assisted with the same
+0.5B (`assistant_model`), prompt lookup. Code prompts (copy-heavy: refactor / complete this
+code) and free text, batch 1 and 8. Prints JSON; commit it under bench/results/.
+Usage: python bench/qwen_pair.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from _common import hf_generate, timed
+
+from generation import Engine
+from generation.engine import DTYPES, load_model
+from generation.loading import load_tokenizer, resolve_model_dir
+from generation.proposers import ModelProposer, PromptLookupProposer
+from generation.runner import ModelRunner
+from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
+
+TARGET = ModelSpec(path="packaged:qwen2.5-coder-1.5b-instruct")
+DRAFT = ModelSpec(path="packaged:qwen2.5-coder-0.5b-instruct")
+GRID = BucketGrid(
+    batch_sizes=[1, 8], prompt_lengths=[128, 256], cache_lengths=[384], draft_lengths=[2, 4, 6]
+)
+SNIPPETS = [
+    "def mean(xs):\n    total = 0\n    for x in xs:\n        total = total + x\n"
+    "    return total / len(xs)\n",
+    "def find_user(users, name):\n    for user in users:\n        if user['name'] == name:\n"
+    "            return user\n    return None\n",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+    "        self.items.append(item)\n\n    def pop(self):\n        return self.items.pop()\n",
+    "def read_lines(path):\n    f = open(path)\n    lines = f.readlines()\n    f.close()\n"
+    "    return [l.strip() for l in lines]\n",
+]
+CODE = [
+    [{"role": "user", "content": f"Add type hints and a docstring to this function, keep the "
+                                 f"rest unchanged:\n\n```python\n{code}```"}]
+    for code in SNIPPETS
+] + [
+    [{"role": "user", "content": f"Rename the variables to clearer names in this code:\n\n"
+                                 f"```python\n{code}```"}]
+    for code in SNIPPETS
+]
+FREE_TEXT = [
+    [{"role": "user", "content": question}]
+    for question in (
+        "Explain what a hash table is to a new programmer.",
+        "Why do databases use indexes?",
+        "What is the difference between a process and a thread?",
+        "Describe how HTTP caching works.",
+        "What makes a good code review?",
+        "Explain recursion with an everyday example.",
+        "Why is floating point arithmetic inexact?",
+        "What does a compiler do?",
+    )
+]
+PROMPT_SETS = {"code": CODE, "free_text": FREE_TEXT}
+ENGINES = {
+    "plain": dict(draft=None),
+    "draft_0.5b_auto": dict(draft=DraftSpec(kind="model", model=DRAFT)),
+    "draft_0.5b_k4": dict(draft=DraftSpec(kind="model", model=DRAFT), num_draft_tokens=4),
+    "prompt_lookup_auto": dict(draft=DraftSpec(kind="prompt_lookup", ngram_max=3)),
+}
+
+
+def hf_models(dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(resolve_model_dir(TARGET), dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(resolve_model_dir(DRAFT), dtype=dtype).eval()
+    return target, draft, load_tokenizer(resolve_model_dir(TARGET))
+
+
+def build_engines(dtype: str, threads: int) -> dict[str, Engine]:
+    """Every contender over the same loaded weights (one copy of each model in memory)."""
+    device = torch.device("cpu")
+    target_spec = TARGET.model_copy(update={"dtype": dtype})
+    draft_spec = DRAFT.model_copy(update={"dtype": dtype})
+    target = load_model(target_spec, GRID.max_cache, device)
+    draft = load_model(draft_spec, GRID.max_cache, device)
+    engines = {}
+    for name, overrides in ENGINES.items():
+        spec = overrides.get("draft")
+        if spec is not None and spec.kind == "model":
+            overrides = {**overrides, "draft": spec.model_copy(update={"model": draft_spec})}
+        config = EngineConfig(target=target_spec, device="cpu", bucket_grid=GRID,
+                              cpu_threads=threads, **overrides)
+        proposer, loaded_draft = None, None
+        if spec is not None and spec.kind == "model":
+            runner = ModelRunner(draft.model, GRID, device, DTYPES[dtype], False, False)
+            proposer, loaded_draft = ModelProposer(runner), draft
+        elif spec is not None:
+            proposer = PromptLookupProposer(spec.ngram_max, spec.ngram_min)
+        engines[name] = Engine(config, target, device, proposer, loaded_draft)
+        engines[name].warmup()
+    return engines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens)
+    engines = build_engines(args.dtype, args.threads)
+    hf_target, hf_draft, tokenizer = hf_models(DTYPES[args.dtype])
+    baselines = {"hf_plain": {}, "hf_assisted_0.5b": {"assistant_model": hf_draft},
+                 "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4}}
+
+    rates: dict[str, list[float]] = {}
+    acceptance: dict[str, dict] = {}
+    outputs: dict[str, list] = {}
+    for _ in range(args.repeats):
+        for set_name, prompts in PROMPT_SETS.items():
+            for b in args.batches:
+                batch = prompts[:b]
+                for name, engine in engines.items():
+                    engine.reset_stats()
+                    seconds, done = timed(lambda e=engine, p=batch: e.generate(p, params))
+                    key = f"{set_name}/b{b}/{name}"
+                    rates.setdefault(key, []).append(sum(len(c.token_ids) for c in done) / seconds)
+                    stats = engine.stats
+                    acceptance[key] = {
+                        "acceptance_rate": stats.acceptance_rate,
+                        "mean_accepted_length": stats.mean_accepted_length,
+                        "steps_per_k": stats.steps_per_k,
+                    }
+                    outputs.setdefault(f"{set_name}/b{b}", []).append([c.token_ids for c in done])
+            ids = [engines["plain"].encode(prompts[0])]
+            for name, kwargs in baselines.items():
+                seconds, tokens = timed(lambda k=kwargs, i=ids: hf_generate(
+                    hf_target, tokenizer, i, args.max_new_tokens, **k))
+                rates.setdefault(f"{set_name}/b1/{name}", []).append(tokens / seconds)
+
+    tps = {key: round(statistics.median(values), 3) for key, values in rates.items()}
+    ratios = {}
+    for set_name in PROMPT_SETS:
+        for b in args.batches:
+            plain = tps[f"{set_name}/b{b}/plain"]
+            for name in ENGINES:
+                if name != "plain":
+                    ratios[f"{set_name}/b{b}/{name}_vs_plain"] = round(
+                        tps[f"{set_name}/b{b}/{name}"] / plain, 3)
+        b1 = f"{set_name}/b1"
+        ratios[f"{b1}/draft_0.5b_auto_vs_hf_assisted_0.5b"] = round(
+            tps[f"{b1}/draft_0.5b_auto"] / tps[f"{b1}/hf_assisted_0.5b"], 3)
+        ratios[f"{b1}/prompt_lookup_auto_vs_hf_prompt_lookup"] = round(
+            tps[f"{b1}/prompt_lookup_auto"] / tps[f"{b1}/hf_prompt_lookup"], 3)
+        ratios[f"{b1}/hf_assisted_0.5b_vs_hf_plain"] = round(
+            tps[f"{b1}/hf_assisted_0.5b"] / tps[f"{b1}/hf_plain"], 3)
+    identical = all(all(run == runs[0] for run in runs) for runs in outputs.values())
+    print(json.dumps({
+        "target": TARGET.path, "draft": DRAFT.path, "dtype": args.dtype,
+        "max_new_tokens": args.max_new_tokens,
+        "repeats": args.repeats, "torch_threads": args.threads,
+        "all_engine_outputs_identical_to_plain": identical,
+        "tokens_per_second": tps, "ratios": ratios, "acceptance": acceptance,
+        "targets": {"code/b1 draft vs plain": ">= 1.8", "free_text/b1 draft vs plain": ">= 1.3",
+                    "b1 draft vs hf assisted": ">= 1.3", "b8 vs plain": ">= 1.0",
+                    "prompt lookup vs hf prompt lookup (code)": ">= 1.0"},
+    }, indent=2))
+
+
+if __name__ == "__main__":
+    main()
