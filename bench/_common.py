@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
@@ -90,6 +91,43 @@ def hf_generate(
     for row in out[:, width:].tolist():
         generated += row.index(pad) + 1 if pad in row else len(row)
     return generated
+
+
+def rounded(ratio: float | None) -> float | None:
+    """Undefined ratios (plain decoding proposes nothing) stay None in the JSON."""
+    return None if ratio is None else round(ratio, 3)
+
+
+@dataclass
+class EngineTimings:
+    """What the speculative benchmarks record per `set/bBATCH/engine` key, over repetitions."""
+
+    rates: dict[str, list[float]] = field(default_factory=dict)  # tokens/s per repetition
+    acceptance: dict[str, dict] = field(default_factory=dict)
+    outputs: dict[str, list] = field(default_factory=dict)  # per set/batch: tokens per engine
+
+    def time_engines(self, engines: dict, set_name: str, prompts: list, batches, params) -> None:
+        """One repetition: every engine once on each batch size, side by side."""
+        for b in batches:
+            batch = prompts[:b]
+            for name, engine in engines.items():
+                engine.reset_stats()
+                seconds, done = timed(lambda e=engine, p=batch: e.generate(p, params))
+                key = f"{set_name}/b{b}/{name}"
+                self.rates.setdefault(key, []).append(sum(len(c.token_ids) for c in done) / seconds)
+                stats = engine.stats
+                self.acceptance[key] = {
+                    "acceptance_rate": rounded(stats.acceptance_rate),
+                    "mean_accepted_length": rounded(stats.mean_accepted_length),
+                    "steps_per_k": stats.steps_per_k,
+                }
+                self.outputs.setdefault(f"{set_name}/b{b}", []).append(
+                    [c.token_ids for c in done]
+                )
+
+    def outputs_identical(self) -> bool:
+        """Greedy: every engine config produced the same tokens."""
+        return all(all(run == runs[0] for run in runs) for runs in self.outputs.values())
 
 
 def copy_bandwidth_bytes_per_second(megabytes: int = 256, repeats: int = 5) -> float:

@@ -15,7 +15,7 @@ import json
 import statistics
 
 import torch
-from _common import hf_generate, timed
+from _common import EngineTimings, hf_generate, timed
 
 from generation import Engine
 from generation.engine import DTYPES, load_model
@@ -118,25 +118,11 @@ def main() -> None:
     baselines = {"hf_plain": {}, "hf_assisted_0.5b": {"assistant_model": hf_draft},
                  "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4}}
 
-    rates: dict[str, list[float]] = {}
-    acceptance: dict[str, dict] = {}
-    outputs: dict[str, list] = {}
+    timings = EngineTimings()
+    rates = timings.rates
     for _ in range(args.repeats):
         for set_name, prompts in PROMPT_SETS.items():
-            for b in args.batches:
-                batch = prompts[:b]
-                for name, engine in engines.items():
-                    engine.reset_stats()
-                    seconds, done = timed(lambda e=engine, p=batch: e.generate(p, params))
-                    key = f"{set_name}/b{b}/{name}"
-                    rates.setdefault(key, []).append(sum(len(c.token_ids) for c in done) / seconds)
-                    stats = engine.stats
-                    acceptance[key] = {
-                        "acceptance_rate": stats.acceptance_rate,
-                        "mean_accepted_length": stats.mean_accepted_length,
-                        "steps_per_k": stats.steps_per_k,
-                    }
-                    outputs.setdefault(f"{set_name}/b{b}", []).append([c.token_ids for c in done])
+            timings.time_engines(engines, set_name, prompts, args.batches, params)
             ids = [engines["plain"].encode(prompts[0])]
             for name, kwargs in baselines.items():
                 seconds, tokens = timed(lambda k=kwargs, i=ids: hf_generate(
@@ -159,13 +145,13 @@ def main() -> None:
             tps[f"{b1}/prompt_lookup_auto"] / tps[f"{b1}/hf_prompt_lookup"], 3)
         ratios[f"{b1}/hf_assisted_0.5b_vs_hf_plain"] = round(
             tps[f"{b1}/hf_assisted_0.5b"] / tps[f"{b1}/hf_plain"], 3)
-    identical = all(all(run == runs[0] for run in runs) for runs in outputs.values())
+    identical = timings.outputs_identical()
     print(json.dumps({
         "target": TARGET.path, "draft": DRAFT.path, "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "torch_threads": args.threads,
         "all_engine_outputs_identical_to_plain": identical,
-        "tokens_per_second": tps, "ratios": ratios, "acceptance": acceptance,
+        "tokens_per_second": tps, "ratios": ratios, "acceptance": timings.acceptance,
         "targets": {"code/b1 draft vs plain": ">= 1.8", "free_text/b1 draft vs plain": ">= 1.3",
                     "b1 draft vs hf assisted": ">= 1.3", "b8 vs plain": ">= 1.0",
                     "prompt lookup vs hf prompt lookup (code)": ">= 1.0"},

@@ -15,7 +15,7 @@ import json
 import statistics
 
 import torch
-from _common import PROMPT_SETS, SMOLLM2, hf_generate, load_hf_smollm2, timed
+from _common import PROMPT_SETS, SMOLLM2, EngineTimings, hf_generate, load_hf_smollm2, timed
 
 from generation import Engine
 from generation.quantize import int8_linears
@@ -34,9 +34,6 @@ ENGINES = {
 
 
 
-def _rounded(ratio: float | None) -> float | None:
-    """Undefined ratios (plain decoding proposes nothing) stay None in the JSON."""
-    return None if ratio is None else round(ratio, 3)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
@@ -62,25 +59,11 @@ def main() -> None:
         "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4},
     }
 
-    rates: dict[str, list[float]] = {}
-    acceptance: dict[str, dict] = {}
-    outputs: dict[str, list] = {}
+    timings = EngineTimings()
+    rates = timings.rates
     for _ in range(args.repeats):
         for set_name, prompts in PROMPT_SETS.items():
-            for b in (1, 8):
-                batch = prompts[:b]
-                for name, engine in engines.items():
-                    engine.reset_stats()
-                    seconds, done = timed(lambda e=engine, p=batch: e.generate(p, params))
-                    key = f"{set_name}/b{b}/{name}"
-                    rates.setdefault(key, []).append(sum(len(c.token_ids) for c in done) / seconds)
-                    stats = engine.stats
-                    acceptance[key] = {
-                        "acceptance_rate": _rounded(stats.acceptance_rate),
-                        "mean_accepted_length": _rounded(stats.mean_accepted_length),
-                        "steps_per_k": stats.steps_per_k,
-                    }
-                    outputs.setdefault(f"{set_name}/b{b}", []).append([c.token_ids for c in done])
+            timings.time_engines(engines, set_name, prompts, (1, 8), params)
             ids = [engines["plain"].encode(prompts[0])]
             for name, kwargs in baselines.items():
                 seconds, tokens = timed(
@@ -106,9 +89,7 @@ def main() -> None:
         ratios[f"{set_name}/b1/plain_vs_hf_plain"] = round(
             tps[f"{set_name}/b1/plain"] / tps[f"{set_name}/b1/hf_plain"], 3
         )
-    identical = all(
-        all(run == runs[0] for run in runs) for runs in outputs.values()
-    )  # greedy: every engine config produced the same tokens
+    identical = timings.outputs_identical()
     print(
         json.dumps(
             {
@@ -119,7 +100,7 @@ def main() -> None:
                 "all_engine_outputs_identical_to_plain": identical,
                 "tokens_per_second": tps,
                 "ratios": ratios,
-                "acceptance": acceptance,
+                "acceptance": timings.acceptance,
                 "goals": {
                     "free_text/b1 speculative vs plain": ">= 1.3",
                     "copy/b1 speculative vs plain": ">= 1.8",
