@@ -275,6 +275,9 @@ def _kpis(report: dict[str, Any]) -> str:
     cards = [
         ("Generated tokens", count(total["generated_tokens"]), f"{total['shards']} shards"),
         ("Cost", usd(total["cost"]), f"{decimal(total['device_seconds'])} device-seconds"),
+        ("Engine load", usd(total["engine_load_cost"]),
+         f"{decimal(total['engine_load_seconds'])} s load + warm-up, apart from cost"),
+        ("Total cost", usd(total["total_cost"]), "cost + engine load"),
         ("Cost / 1M tokens", usd(total["cost_per_1m_tokens"]), "all runs"),
         ("Saved by speculation", usd(total["cost_saved"]), estimated),
         ("Speedup vs plain", times(total["speedup_vs_plain"]), "estimated device-seconds"),

@@ -13,7 +13,7 @@ import pytest
 from headless_chromium import ChromiumMissing, colour_stats, headless_chromium
 from reporting_fixtures import daily_history, metrics_row, three_runs, write_shard
 
-from tasks.dashboard import charts, render_dashboard
+from tasks.dashboard import _kpis, charts, render_dashboard
 from tasks.reporting import build_report, open_committed_metrics
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
@@ -60,6 +60,14 @@ def test_dashboard_is_self_contained(dashboard_file):
     markup = re.sub(r"<script>.*?</script>", "", html, flags=re.S)  # plotly.js names URLs
     assert re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", markup) is None
     assert re.search(r"url\(|@import", markup) is None  # the CSS fetches nothing either
+
+
+def test_engine_load_is_a_tile_apart_from_generation_cost(report):
+    total = {**report["total"], "cost": 1.5, "engine_load_cost": 0.25,
+             "engine_load_seconds": 42.0, "total_cost": 1.75}
+    tiles = _kpis({**report, "total": total})
+    assert re.search(r"Engine load</div><div class=\"value\">\$0.25</div>.*42", tiles)
+    assert re.search(r"Total cost</div><div class=\"value\">\$1.75<", tiles)
 
 
 def test_charts_carry_the_report_figures(report):
