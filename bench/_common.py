@@ -127,7 +127,11 @@ class EngineTimings:
 
     def outputs_identical(self) -> bool:
         """Greedy: every engine config produced the same tokens."""
-        return all(all(run == runs[0] for run in runs) for runs in self.outputs.values())
+        return not self.outputs_differing()
+
+    def outputs_differing(self) -> list[str]:
+        """The set/batch keys where some engine config's tokens differ from the others'."""
+        return [key for key, runs in self.outputs.items() if any(run != runs[0] for run in runs)]
 
 
 def copy_bandwidth_bytes_per_second(megabytes: int = 256, repeats: int = 5) -> float:

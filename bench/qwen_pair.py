@@ -151,6 +151,7 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats, "torch_threads": args.threads,
         "all_engine_outputs_identical_to_plain": identical,
+        "outputs_differing_in": timings.outputs_differing(),
         "tokens_per_second": tps, "ratios": ratios, "acceptance": timings.acceptance,
         "targets": {"code/b1 draft vs plain": ">= 1.8", "free_text/b1 draft vs plain": ">= 1.3",
                     "b1 draft vs hf assisted": ">= 1.3", "b8 vs plain": ">= 1.0",
