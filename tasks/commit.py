@@ -225,7 +225,10 @@ def verify_committed(layout: RunLayout) -> dict[str, str]:
             path = layout.published(kind, shard_id)
             want = manifest.get("bytes", {}).get(kind)
             if path not in published:
-                problems.setdefault(shard_id, []).append(f"committed {kind} file {path} is missing")
+                problems.setdefault(shard_id, []).append(
+                    f"committed {kind} file {path} is missing (neither staged nor published: "
+                    f"delete {layout.manifest(shard_id)} to have the next run regenerate it)"
+                )
             elif want is not None and published[path] != want:
                 problems.setdefault(shard_id, []).append(
                     f"{kind} file {path} has {published[path]} bytes, the manifest {want}"

@@ -79,10 +79,8 @@ class _OneLineForHandledErrors(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         from tasks.failures import EngineLoadError, RunFailed
-        from tasks.quality import QualityError
 
-        handled = EngineLoadError | RunFailed | QualityError
-        if record.exc_info and isinstance(record.exc_info[1], handled):
+        if record.exc_info and isinstance(record.exc_info[1], EngineLoadError | RunFailed):
             record.exc_info, record.exc_text = None, None
         return True
 
@@ -103,15 +101,15 @@ def explain(error: Exception, config: RunConfig) -> tuple[str, int] | None:
     """(one line, exit status) for the errors a user can fix; None for anything else (a bug)."""
     from tasks.failures import RunFailed
     from tasks.planning import InputError
-    from tasks.quality import QualityError
     from tasks.storage import credentials_problem
 
     if isinstance(error, InputError):
         return str(error), 2
-    if (problem := credentials_problem(error, config.storage)) is not None:
-        return problem, 2
-    if isinstance(error, RunFailed | QualityError):  # QualityError: committed, but a bad corpus
+    if isinstance(error, RunFailed):  # it names the shards and their causes (or bad quality)
         return str(error), 1
+    uris = (config.input.uri, config.output)
+    if (problem := credentials_problem(error, config.storage, uris)) is not None:
+        return problem, 2
     if "ephemeral Prefect API server" in str(error):
         return (
             "Prefect's local server did not start within "

@@ -24,6 +24,7 @@ from tasks.storage import is_local
 
 SAMPLE_BYTES = 256 * 1024
 BOUNDARY_WINDOW = 64 * 1024  # a shard boundary moves to the next line start within this
+FIRST_WINDOW = 2 * 1024  # read first at each boundary; enough for most lines
 GLOB_CHARS = "*?["
 EXTENSIONS = {
     ".parquet": "parquet",
@@ -131,17 +132,24 @@ def _bytes_per_row(sample: bytes) -> float:
 
 
 def _line_starts(fs, path: str, offsets: list[int], size: int) -> list[int]:
-    """For each offset, the first line start at or after it, found within BOUNDARY_WINDOW bytes
-    (one ranged read per offset, concurrent on S3); offsets with none found are dropped."""
-    if not offsets:
-        return []
-    ends = [min(offset - 1 + BOUNDARY_WINDOW, size) for offset in offsets]
-    windows = fs.cat_ranges([path] * len(offsets), [offset - 1 for offset in offsets], ends)
-    starts = []
-    for offset, window in zip(offsets, windows, strict=True):
-        newline = window.find(b"\n")
-        if newline >= 0 and offset + newline < size:
-            starts.append(offset + newline)
+    """For each offset, the first line start at or after it, found within BOUNDARY_WINDOW bytes;
+    offsets with none found are dropped. Reads a short window first (most lines are short) and
+    the full window only where that found no newline; ranged reads run concurrently on S3."""
+    starts, pending = [], offsets
+    for window_bytes in (FIRST_WINDOW, BOUNDARY_WINDOW):
+        if not pending:
+            break
+        ends = [min(offset - 1 + window_bytes, size) for offset in pending]
+        windows = fs.cat_ranges([path] * len(pending), [offset - 1 for offset in pending], ends)
+        unresolved = []
+        for offset, window in zip(pending, windows, strict=True):
+            newline = window.find(b"\n")
+            if newline >= 0:
+                if offset + newline < size:
+                    starts.append(offset + newline)
+            elif offset - 1 + window_bytes < size:  # the window stopped short of the file's end
+                unresolved.append(offset)
+        pending = unresolved
     return sorted(set(starts))
 
 

@@ -10,10 +10,11 @@ from collections import Counter
 from typing import Any
 
 from schemas.run import RunConfig
+from tasks.failures import RunFailed
 from tasks.records import BadRecord
 
 
-class QualityError(RuntimeError):
+class QualityError(RunFailed):
     """The run committed its shards, but too many rows failed or came back empty."""
 
 

@@ -55,9 +55,13 @@ CREDENTIAL_ERRORS = ("NoCredentialsError", "PartialCredentialsError", "InvalidAc
                      "SignatureDoesNotMatch", "AccessDenied", "InvalidToken", "ExpiredToken")
 
 
-def credentials_problem(error: BaseException, storage: StorageSpec) -> str | None:
+def credentials_problem(
+    error: BaseException, storage: StorageSpec, uris: tuple[str, ...]
+) -> str | None:
     """One line saying which settings to fix when S3 has no credentials or refuses them; None
-    for any other error."""
+    for any other error, and for runs that touch no s3:// URI (a local PermissionError)."""
+    if not any(uri.startswith("s3://") for uri in uris):
+        return None
     text = f"{type(error).__name__}: {error}"
     if not isinstance(error, PermissionError) and not any(n in text for n in CREDENTIAL_ERRORS):
         return None
