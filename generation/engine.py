@@ -249,16 +249,19 @@ class Engine:
         """Run every grid shape: prefills once, decodes twice (steady timings choose K)."""
         grid = self.grid
         verify_lengths = [k + 1 for k in grid.draft_lengths] if self.proposer else []
-        runners = [(self.target, [1, *verify_lengths])]
+        runners = [(self.target, [1, *verify_lengths], False)]
         if self._draft_runner:  # catch-up widths beyond 2 only follow plain steps (K auto)
             widths = [2] if self.chooser.fixed else CATCH_UP_WIDTHS
-            runners.append((self._draft_runner, sorted({1, *widths})))
-        for runner, lengths in runners:
+            runners.append((self._draft_runner, sorted({1, *widths}), True))
+        for runner, lengths, last_logit_only in runners:
             for b in grid.batch_sizes:
                 for t in grid.prompt_lengths:
                     runner.prefill([[0] * t] * b, list(range(b)))
+                # A draft reads one logit per row: warm that shape, or compile meets it later.
+                last = torch.zeros(b, 1, dtype=torch.long) if last_logit_only else None
                 for t, s, _ in itertools.product(lengths, grid.cache_lengths, range(2)):
-                    runner.decode(torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t), b)
+                    tokens, starts = torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t)
+                    runner.decode(tokens, starts, b, logit_index=last)
             runner.warm_seconds = dict(runner.recent_seconds)
         self.reset_stats()
 
@@ -292,12 +295,20 @@ class Engine:
             if not waiting:
                 self._compact(slots)
             width = bucket(self.grid.batch_sizes, max(i for i, row in enumerate(slots) if row) + 1)
-            k = self._choose_k(width) if self.proposer else 0
+            k, switch_seconds = self._choose_k(slots[:width]) if self.proposer else (0, 0.0)
             self._stats.record_step(k)
+            forwards_before, step_started = self._forward_seconds(), time.perf_counter()
             if k:
                 self._speculative_step(slots[:width], k, params)
             else:
                 self._decode_step(slots[:width], params)
+            if not (k and switch_seconds):  # a catch-up round prices the switch, not K
+                self.chooser.observe_step(
+                    width,
+                    k,
+                    time.perf_counter() - step_started,
+                    self._forward_seconds() - forwards_before,
+                )
             self._collect(slots, results, params)
         self._stats.wall_seconds += time.perf_counter() - started
         s = self._stats
@@ -341,13 +352,16 @@ class Engine:
         prompts = [row.tokens for _, row in admitted]
         rows = [slot for slot, _ in admitted]
         logits = self.target.prefill(prompts, rows)
-        if self.proposer:
+        # A model draft is prefilled only while speculation pays at this batch: where plain
+        # decoding wins, its prefill would be pure loss. A later K round catches it up.
+        with_draft = self.proposer is not None and self._wants_draft(len(slots))
+        if with_draft:
             self.proposer.prefill(prompts, rows)
         draws = self._draws([row for _, row in admitted], 1, params)
         first = choose(logits, params, draws.at(0) if draws else None).tolist()
         for (slot, row), token in zip(admitted, first, strict=True):
             slots[slot] = row
-            row.draft_seen = row.prompt_len
+            row.draft_seen = row.prompt_len if with_draft else 0
             self._stats.prompt_tokens += row.prompt_len
             self._append(row, [token], params)
         self._stats.prefill_seconds += time.perf_counter() - started
@@ -404,11 +418,32 @@ class Engine:
             self._stats.tokens_generated - tokens_before, len(live), plain_step
         )
 
-    def _choose_k(self, width: int) -> int:
-        def target_seconds(t: int) -> float:
-            return self.target.recent_seconds_for(width, t)
+    def _choose_k(self, batch: list[_Row | None]) -> tuple[int, float]:
+        """K for this step, and the draft catch-up seconds a K round would pay first."""
+        width = len(batch)
+        contexts = [row.tokens if row else None for row in batch]
+        switch = self.proposer.catch_up_seconds(
+            contexts, [row.draft_seen if row else 0 for row in batch]
+        )
+        k = self.chooser.choose(
+            width,
+            lambda t: self.target.recent_seconds_for(width, t),
+            lambda k: self.proposer.seconds_for(width, k),
+            switch,
+        )
+        return k, switch
 
-        return self.chooser.choose(target_seconds, lambda k: self.proposer.seconds_for(width, k))
+    def _wants_draft(self, width: int) -> bool:
+        return self.chooser.wants_draft(
+            width,
+            lambda t: self.target.recent_seconds_for(width, t),
+            lambda k: self.proposer.seconds_for(width, k),
+        )
+
+    def _forward_seconds(self) -> float:
+        """Seconds spent inside model forwards so far, target and draft."""
+        draft = self._draft_runner.busy_seconds if self._draft_runner else 0.0
+        return self.target.busy_seconds + draft
 
     def _draws(self, batch: list[_Row | None], positions: int, params: SamplingParams):
         """The randomness for the next `positions` tokens of each row (None when greedy)."""

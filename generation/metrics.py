@@ -87,12 +87,17 @@ class DraftLengthChooser:
     """Picks K (0 = plain decoding) maximising expected tokens per second for the batch.
 
     Expected tokens per row per round with acceptance alpha: (1 - alpha^(K+1)) / (1 - alpha).
-    Round time = measured draft time for K + measured target time for a [b, K+1] forward, so
-    the cost of verifying at larger batch is measured, not assumed free. alpha is a geometric
-    MLE over recent rounds whose evidence ages every step, so a change of text shows quickly.
+    A step's cost is its whole measured wall time at this batch bucket (draft, verify,
+    sampling, host bookkeeping), a moving average per (b, K). A K not yet measured is priced
+    from its model forwards times the overhead ratio measured for other K, so host work is
+    never assumed free. Leaving plain decoding costs the draft's catch-up (`switch_seconds`),
+    charged over the rounds until the next reconsideration. alpha is a geometric MLE over
+    recent rounds whose evidence ages every step, so a change of text shows quickly.
     Now and then the losing side is tried once (a K round while plain wins, keeping alpha
     fresh; a plain step while speculation wins, keeping its timing fresh); each try that
-    confirms the choice doubles the interval, up to `max_explore_every`.
+    confirms the choice doubles the interval, up to `max_explore_every`. A try of speculation
+    is skipped when its catch-up would cost more than `explore_budget` of the plain time since
+    the last try: exploring may never make plain-winning batches noticeably slower.
     """
 
     def __init__(
@@ -102,18 +107,24 @@ class DraftLengthChooser:
         explore_every: int = 12,
         max_explore_every: int = 48,
         decay: float = 0.9,
+        prior_alpha: float = 0.7,
+        explore_budget: float = 0.05,
     ):
         self.grid_ks, self.fixed, self.decay = grid_ks, fixed, decay
         self.base_interval, self.max_interval = explore_every, max_explore_every
         self.interval, self.since_explore = explore_every, 0
+        self.prior_alpha, self.explore_budget = prior_alpha, explore_budget
         self.accepted, self.trials = 0.0, 0.0
         self.last_best: int | None = None
+        self.step_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> whole step, averaged
+        self.forward_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> its forwards then
 
     @property
     def alpha(self) -> float:
-        """Ageing scales both counts alike, so it reweighs old evidence without moving alpha."""
+        """Ageing scales both counts alike, so it reweighs old evidence without moving alpha.
+        With no evidence yet, a prior typical of a same-family draft invites a first try."""
         if self.trials < 1e-3:
-            return 0.5  # no evidence yet: a neutral prior that invites a first measurement
+            return self.prior_alpha
         return min(self.accepted / self.trials, 0.999)
 
     def observe(self, k: int, accepted: list[int]) -> None:
@@ -121,25 +132,59 @@ class DraftLengthChooser:
             self.accepted += count
             self.trials += count + (count < k)
 
-    def choose(self, target_seconds, draft_seconds) -> int:
-        """target_seconds(t) and draft_seconds(k): measured times at the current batch bucket."""
+    def observe_step(self, b: int, k: int, seconds: float, forward_seconds: float) -> None:
+        """A whole step's wall time and its model forwards' share, for pricing steps."""
+        key = (b, k)
+        if key not in self.step_seconds:
+            self.step_seconds[key], self.forward_seconds[key] = seconds, forward_seconds
+            return
+        self.step_seconds[key] += 0.25 * (seconds - self.step_seconds[key])
+        self.forward_seconds[key] += 0.25 * (forward_seconds - self.forward_seconds[key])
+
+    def step_cost(self, b: int, k: int, forwards_seconds: float) -> float:
+        """Measured whole-step time, or the forwards' time x the measured overhead ratio."""
+        if (b, k) in self.step_seconds:
+            return self.step_seconds[(b, k)]
+        ratios = [
+            self.step_seconds[key] / self.forward_seconds[key]
+            for key in self.step_seconds
+            if key[0] == b and self.forward_seconds[key] > 0
+        ]
+        return forwards_seconds * (max(ratios) if ratios else 1.0)
+
+    def wants_draft(self, b: int, target_seconds, draft_seconds) -> bool:
+        """Whether new rows should be given draft state now: speculation is chosen at b."""
+        return self.fixed is not None or self._best(b, target_seconds, draft_seconds, 0.0)[0] > 0
+
+    def _best(self, b: int, target_seconds, draft_seconds, switch_seconds: float):
+        alpha = self.alpha
+        plain = self.step_cost(b, 0, target_seconds(1))
+        best_k, best_rate = 0, 1.0 / plain
+        for k in self.grid_ks:
+            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+            cost = self.step_cost(b, k, draft_seconds(k) + target_seconds(k + 1))
+            rate = tokens / (cost + switch_seconds / self.interval)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, plain
+
+    def choose(self, b: int, target_seconds, draft_seconds, switch_seconds: float = 0.0) -> int:
+        """target_seconds(t), draft_seconds(k): measured forward times at batch bucket b;
+        switch_seconds: the extra a K round costs now because the draft lags the context."""
         if self.fixed is not None:
             return self.fixed
         self.accepted *= self.decay
         self.trials *= self.decay
-        alpha = self.alpha
-        best_k, best_rate = 0, 1.0 / target_seconds(1)
-        for k in self.grid_ks:
-            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
-            rate = tokens / (draft_seconds(k) + target_seconds(k + 1))
-            if rate > best_rate:
-                best_k, best_rate = k, rate
+        best_k, plain = self._best(b, target_seconds, draft_seconds, switch_seconds)
         if (best_k == 0) != (self.last_best == 0):  # the choice flipped: explore eagerly again
             self.interval = self.base_interval
         self.last_best = best_k
         self.since_explore += 1
         if self.since_explore < self.interval:
             return best_k
+        affordable = switch_seconds <= self.explore_budget * self.since_explore * plain
         self.since_explore = 0
         self.interval = min(2 * self.interval, self.max_interval)
-        return self.grid_ks[0] if best_k == 0 else 0
+        if best_k:
+            return 0
+        return self.grid_ks[0] if affordable else 0

@@ -23,7 +23,9 @@ class ModelProposer:
     The draft's cache lags the context by at least one token (the pending one) and by more after
     plain (K = 0) steps, which skip the draft. Its first step therefore feeds the row's last
     `width` tokens, width from CATCH_UP_WIDTHS covering the largest lag in the batch; re-feeding
-    positions the draft has already seen is harmless. Static shapes, no per-row branching.
+    positions the draft has already seen is harmless. A row the draft has never seen (seen 0:
+    admitted while plain decoding won) is prefilled first, and a lag wider than the widest
+    window is fed in widest-window chunks. Static shapes, no per-row branching.
     """
 
     def __init__(self, runner: ModelRunner):
@@ -42,6 +44,56 @@ class ModelProposer:
         self.runner.prefill(prompts, rows)
         self.seconds += time.perf_counter() - started
 
+    def _prefill_length(self, context: list[int]) -> int:
+        """What a never-seen row's prefill covers: all but the pending token, within the grid."""
+        return min(len(context) - 1, self.runner.grid.max_prompt)
+
+    def catch_up_seconds(self, contexts: list[list[int] | None], seen: list[int]) -> float:
+        """Extra seconds the next round pays to bring the draft level with the contexts."""
+        live = [(ctx, done) for ctx, done in zip(contexts, seen, strict=True) if ctx]
+        missing = [self._prefill_length(ctx) for ctx, done in live if done == 0]
+        extra = self.runner.recent_prefill_seconds(len(missing), max(missing)) if missing else 0.0
+        lag = max(len(ctx) - (done or self._prefill_length(ctx)) for ctx, done in live)
+        widest, b = CATCH_UP_WIDTHS[-1], len(contexts)
+        chunks = max(0, -(-(lag - widest) // widest))
+        extra += chunks * self.runner.recent_seconds_for(b, widest)
+        width = bucket(CATCH_UP_WIDTHS, min(lag - chunks * widest, widest))
+        if width > CATCH_UP_WIDTHS[0]:
+            extra += self.runner.recent_seconds_for(b, width) - self.runner.recent_seconds_for(b, 2)
+        return extra
+
+    def _catch_up(self, contexts: list[list[int] | None], seen: list[int], live: int) -> list[int]:
+        """Prefill never-seen rows, then feed chunks until every lag fits the widest window."""
+        seen = list(seen)
+        missing = [i for i, ctx in enumerate(contexts) if ctx and seen[i] == 0]
+        if missing:
+            lengths = [self._prefill_length(contexts[i]) for i in missing]
+            self.runner.prefill(
+                [contexts[i][:n] for i, n in zip(missing, lengths, strict=True)], missing
+            )
+            for i, n in zip(missing, lengths, strict=True):
+                seen[i] = n
+        widest = CATCH_UP_WIDTHS[-1]
+        while (
+            max(len(ctx) - done for ctx, done in zip(contexts, seen, strict=True) if ctx) > widest
+        ):
+            firsts = [
+                min(done, len(ctx) - widest) if ctx else 0
+                for ctx, done in zip(contexts, seen, strict=True)
+            ]
+            window = [
+                ctx[first : first + widest] if ctx else []
+                for ctx, first in zip(contexts, firsts, strict=True)
+            ]
+            tokens = torch.tensor([w + [0] * (widest - len(w)) for w in window])
+            self.runner.decode(
+                tokens, torch.tensor(firsts), live, torch.zeros(len(contexts), 1, dtype=torch.long)
+            )
+            seen = [
+                first + widest if ctx else 0 for ctx, first in zip(contexts, firsts, strict=True)
+            ]
+        return seen
+
     def propose(
         self,
         contexts: list[list[int] | None],
@@ -57,6 +109,9 @@ class ModelProposer:
         stay on the device between steps: no host sync until the verifier's results are read.
         """
         started = time.perf_counter()
+        idle = torch.tensor([ctx is None for ctx in contexts])
+        live = len(contexts) - int(idle.sum())
+        seen = self._catch_up(contexts, seen, live)
         lag = max(len(ctx) - done for ctx, done in zip(contexts, seen, strict=True) if ctx)
         width = bucket(CATCH_UP_WIDTHS, lag)
         firsts = [max(len(ctx) - width, 0) if ctx else 0 for ctx in contexts]
@@ -67,8 +122,6 @@ class ModelProposer:
         tokens = torch.tensor([w + [0] * (width - len(w)) for w in window])
         starts = torch.tensor(firsts)
         last = torch.tensor([[max(len(w) - 1, 0)] for w in window])
-        idle = torch.tensor([ctx is None for ctx in contexts])
-        live = len(contexts) - int(idle.sum())
         drafted, probs = [], []
         for step in range(k):
             logits = self.runner.decode(tokens, starts, live, logit_index=last)[:, 0]
@@ -100,6 +153,9 @@ class PromptLookupProposer:
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         """Nothing to precompute: the context itself is the draft's whole state."""
+
+    def catch_up_seconds(self, contexts, seen) -> float:
+        return 0.0  # never behind: it reads the context as it is
 
     def propose(self, contexts, seen, k, params, draws):
         started = time.perf_counter()

@@ -39,6 +39,7 @@ class ModelRunner:
         self.shapes: Counter[tuple] = Counter()
         self.recent_seconds: dict[tuple, float] = {}  # per-shape moving average, for choosing K
         self.warm_seconds: dict[tuple, float] = {}  # recent_seconds as the warm-up left them
+        self.busy_seconds = 0.0  # inside forwards, all shapes: the rest of a step is host work
         self.computed_slots = 0
         self.useful_slots = 0
         self.compiles = 0
@@ -67,6 +68,7 @@ class ModelRunner:
         devices.mark_step(self.device)
         devices.synchronize(self.device)
         elapsed = time.perf_counter() - started
+        self.busy_seconds += elapsed
         if self.shapes[key] < 2:  # the first call pays one-time set-up: the second replaces it
             self.recent_seconds[key] = elapsed
         else:  # a moving average, so a reading taken while the host was busy fades out
@@ -95,6 +97,12 @@ class ModelRunner:
         if t > 1:  # unmeasured: assume cost grows linearly with tokens (pessimistic)
             return t * self.recent_seconds_for(b, 1)
         return 1.0
+
+    def recent_prefill_seconds(self, rows: int, longest: int) -> float:
+        """Recent time of the prefill forward that `rows` prompts of up to `longest` tokens use."""
+        b = bucket(self.grid.batch_sizes, rows)
+        t = bucket(self.grid.prompt_lengths, longest)
+        return self.recent_seconds.get(("prefill", b, t, 0), 0.0)
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
         """Forward whole prompts into cache `rows` from position 0; logits of each last token.

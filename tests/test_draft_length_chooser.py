@@ -1,0 +1,97 @@
+"""The K chooser prices whole steps (host work included) and the draft's catch-up; a draft is
+prefilled only while speculation pays, and a draft that was skipped catches up exactly."""
+
+from __future__ import annotations
+
+import pytest
+from engine_helpers import SMALL_GRID, engine_for, varied_prompts
+
+from generation.metrics import DraftLengthChooser
+from schemas import DraftSpec, ModelSpec, SamplingParams
+
+
+def target_seconds(t: int) -> float:
+    """A [b, t] target forward: 1 s plus a little per extra token (verify is nearly free)."""
+    return 1.0 + 0.05 * (t - 1)
+
+
+def draft_seconds(k: int) -> float:
+    return 0.1 * k
+
+
+def sure_chooser(alpha: float = 0.8, **kwargs) -> DraftLengthChooser:
+    """A chooser with strong evidence of `alpha` (its exploration pushed far away)."""
+    chooser = DraftLengthChooser([2, 4], None, explore_every=1000, max_explore_every=1000, **kwargs)
+    chooser.accepted, chooser.trials = 1e6 * alpha, 1e6
+    return chooser
+
+
+def test_forwards_alone_make_speculation_win():
+    assert sure_chooser().choose(1, target_seconds, draft_seconds) > 0
+
+
+def test_measured_host_overhead_of_a_round_makes_plain_win():
+    chooser = sure_chooser()
+    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    chooser.observe_step(1, 2, seconds=3.0, forward_seconds=1.25)  # sampling, bookkeeping, ...
+    assert chooser.choose(1, target_seconds, draft_seconds) == 0
+
+
+def test_an_unmeasured_k_is_priced_with_the_overhead_measured_for_another():
+    chooser = sure_chooser()
+    chooser.observe_step(1, 2, seconds=2.5, forward_seconds=1.25)  # 2x its forwards
+    assert chooser.step_cost(1, 4, 1.55) == pytest.approx(3.1)
+    assert chooser.step_cost(8, 4, 1.55) == pytest.approx(1.55)  # another batch: unmeasured
+
+
+def test_the_drafts_catch_up_is_charged_to_leaving_plain():
+    chooser = sure_chooser()
+    assert chooser.choose(1, target_seconds, draft_seconds, switch_seconds=0.0) > 0
+    chooser = sure_chooser()
+    assert chooser.choose(1, target_seconds, draft_seconds, switch_seconds=5000.0) == 0
+
+
+def test_exploring_speculation_is_skipped_when_its_catch_up_exceeds_the_budget():
+    def chooser_after_plain_steps(switch_seconds: float) -> list[int]:
+        chooser = DraftLengthChooser([2], None, explore_every=4, explore_budget=0.05)
+        chooser.accepted, chooser.trials = 0.0, 1e6  # nothing is ever accepted: plain wins
+        return [chooser.choose(1, target_seconds, draft_seconds, switch_seconds) for _ in range(4)]
+
+    assert chooser_after_plain_steps(0.1) == [0, 0, 0, 2]  # 0.1 s <= 5 % of 4 plain seconds
+    assert chooser_after_plain_steps(0.3) == [0, 0, 0, 0]
+
+
+GRID = SMALL_GRID.model_copy(update={"cache_lengths": [64, 192]})
+
+
+def draft_engine(tiny_llama_dir, draft_dir):
+    spec = DraftSpec(kind="model", model=ModelSpec(path=str(draft_dir)))
+    engine = engine_for(tiny_llama_dir, bucket_grid=GRID, draft=spec, num_draft_tokens="auto")
+    engine.warmup()
+    return engine
+
+
+def test_no_draft_prefill_while_plain_wins(tiny_llama_dir, tiny_llama_other_dir):
+    engine = draft_engine(tiny_llama_dir, tiny_llama_other_dir)
+    engine.chooser.accepted, engine.chooser.trials = 0.0, 1e6  # the draft is never right
+    engine.generate(varied_prompts(4), SamplingParams(max_new_tokens=8))
+    assert engine.stats.draft_forwards == 0
+    assert engine.stats.steps_per_k == {0: engine.stats.steps_per_k[0]}
+
+
+def test_a_skipped_draft_catches_up_exactly(tiny_llama_dir, monkeypatch):
+    """Rows admitted without the draft run 110 plain steps (a lag past the widest catch-up
+    window), then speculate: prefill + chunked catch-up. The target drafting for itself then
+    accepts every token only if the draft's cache holds exactly the context; no new shape."""
+    prompts = varied_prompts(3)
+    params = SamplingParams(max_new_tokens=140)
+    plain = engine_for(tiny_llama_dir, bucket_grid=GRID).generate(prompts, params)
+    engine = draft_engine(tiny_llama_dir, tiny_llama_dir)
+    draft_shapes = set(engine.proposer.runner.shapes)
+    steps = iter(range(10_000))
+    monkeypatch.setattr(engine.chooser, "wants_draft", lambda *args: False)
+    monkeypatch.setattr(engine.chooser, "choose", lambda *args: 0 if next(steps) < 110 else 2)
+    completions = engine.generate(prompts, params)
+    assert [c.token_ids for c in completions] == [c.token_ids for c in plain]
+    assert engine.stats.steps_per_k[2] > 0 and engine.stats.acceptance_rate == 1.0
+    assert set(engine.proposer.runner.shapes) == draft_shapes
