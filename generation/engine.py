@@ -420,22 +420,20 @@ class Engine:
 
     def _choose_k(self, batch: list[_Row | None]) -> tuple[int, float]:
         """K for this step, and the draft catch-up seconds a K round would pay first."""
-        width = len(batch)
-        contexts = [row.tokens if row else None for row in batch]
-        switch = self.proposer.catch_up_seconds(
-            contexts, [row.draft_seen if row else 0 for row in batch]
-        )
-        k = self.chooser.choose(
-            width,
-            lambda t: self.target.recent_seconds_for(width, t),
-            lambda k: self.proposer.seconds_for(width, k),
-            switch,
-        )
-        return k, switch
+        switch = 0.0
+        if self.chooser.fixed is None:  # a fixed K ignores the price of switching
+            contexts = [row.tokens if row else None for row in batch]
+            switch = self.proposer.catch_up_seconds(
+                contexts, [row.draft_seen if row else 0 for row in batch]
+            )
+        return self.chooser.choose(len(batch), *self._forward_prices(len(batch)), switch), switch
 
     def _wants_draft(self, width: int) -> bool:
-        return self.chooser.wants_draft(
-            width,
+        return self.chooser.wants_draft(width, *self._forward_prices(width))
+
+    def _forward_prices(self, width: int):
+        """Measured forward times at batch bucket `width`: target [b, t] and the draft's K."""
+        return (
             lambda t: self.target.recent_seconds_for(width, t),
             lambda k: self.proposer.seconds_for(width, k),
         )
