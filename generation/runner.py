@@ -14,6 +14,7 @@ import torch
 from generation import device as devices
 from generation.model import CausalLM, KVCache
 from schemas import BucketGrid
+from schemas.engine import CATCH_UP_WIDTHS
 
 
 def bucket(sizes: list[int], needed: int) -> int:
@@ -22,6 +23,22 @@ def bucket(sizes: list[int], needed: int) -> int:
     if index == len(sizes):
         raise ValueError(f"{needed} exceeds the largest bucket {sizes[-1]}")
     return sizes[index]
+
+
+def _raise_recompile_limit(grid: BucketGrid) -> None:
+    """Make room for one graph per grid shape of this runner. dynamo keeps at most
+    `recompile_limit` graphs per code object, shared by every model of a class, and past it
+    silently runs eager: a real grid has far more shapes than its default of 8."""
+    import torch._dynamo.config as dynamo
+
+    decode_widths = 2 + len(grid.draft_lengths) + len(CATCH_UP_WIDTHS)  # 1, K + 1, catch-up
+    shapes = len(grid.batch_sizes) * (
+        len(grid.prompt_lengths) + len(grid.cache_lengths) * decode_widths
+    )
+    dynamo.recompile_limit += shapes
+    dynamo.accumulated_recompile_limit = max(
+        dynamo.accumulated_recompile_limit, dynamo.recompile_limit
+    )
 
 
 class ModelRunner:
@@ -45,6 +62,7 @@ class ModelRunner:
         self.compiles = 0
         self._forward = model.forward
         if compile_model and device.type in ("cpu", "cuda"):
+            _raise_recompile_limit(grid)
             self._forward = torch.compile(
                 model.forward, dynamic=False, backend=self._counting_backend
             )

@@ -7,7 +7,7 @@ import pytest
 from engine_helpers import SMALL_GRID, engine_for, hf_greedy, varied_prompts
 
 from generation import Engine
-from schemas import BucketGrid, EngineConfig, SamplingParams
+from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams
 
 
 @pytest.mark.parametrize("model", ["tiny_llama_dir", "tiny_qwen2_dir"])
@@ -141,3 +141,22 @@ def test_compiled_runner_counts_compiles_and_matches_eager(tiny_llama_dir):
         c.token_ids for c in eager.generate(prompts, params)
     ]
     assert compiled.stats.compiles == compiles_after_warmup
+
+
+def test_every_grid_shape_is_compiled_past_dynamos_default_limit(tiny_llama_dir, monkeypatch):
+    """A real grid has more shapes than dynamo's recompile limit (8 per code object, shared by
+    every model). Past it, dynamo silently runs eager; the runner raises the limit so that
+    each warmed-up shape of target and draft gets its own graph. Inductor is swapped for the
+    captured graph itself, so the test pays for capture only."""
+    import torch._inductor.compile_fx
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lambda gm, inputs: gm.forward)
+    grid = BucketGrid(
+        batch_sizes=[1, 2], prompt_lengths=[8, 16], cache_lengths=[32, 64], draft_lengths=[2]
+    )
+    draft = DraftSpec(kind="quantized", dtype="bfloat16")
+    engine = engine_for(tiny_llama_dir, bucket_grid=grid, compile=True, draft=draft)
+    engine.warmup()
+    for runner in (engine.target, engine.proposer.runner):
+        assert len(runner.shapes) > 8
+        assert runner.compiles == len(runner.shapes)
