@@ -295,7 +295,9 @@ class Engine:
             if not waiting:
                 self._compact(slots)
             width = bucket(self.grid.batch_sizes, max(i for i, row in enumerate(slots) if row) + 1)
-            k, switch_seconds = self._choose_k(slots[:width]) if self.proposer else (0, 0.0)
+            k, switch_seconds = (
+                self._choose_k(slots[:width], params) if self.proposer else (0, 0.0)
+            )
             self._stats.record_step(k)
             forwards_before, step_started = self._forward_seconds(), time.perf_counter()
             if k:
@@ -352,9 +354,15 @@ class Engine:
         prompts = [row.tokens for _, row in admitted]
         rows = [slot for slot, _ in admitted]
         logits = self.target.prefill(prompts, rows)
-        # A model draft is prefilled only while speculation pays at this batch: where plain
-        # decoding wins, its prefill would be pure loss. A later K round catches it up.
-        with_draft = self.proposer is not None and self._wants_draft(len(slots))
+        # A model draft is prefilled only while speculation pays at this batch, its prefill
+        # included: where plain decoding wins, that prefill is pure loss. A later K round
+        # catches a skipped draft up.
+        with_draft = self.proposer is not None and self.chooser.wants_draft(
+            len(slots),
+            *self._forward_prices(len(slots)),
+            self.proposer.prefill_seconds([len(p) for p in prompts]),
+            params.max_new_tokens - 1,
+        )
         if with_draft:
             self.proposer.prefill(prompts, rows)
         draws = self._draws([row for _, row in admitted], 1, params)
@@ -418,18 +426,19 @@ class Engine:
             self._stats.tokens_generated - tokens_before, len(live), plain_step
         )
 
-    def _choose_k(self, batch: list[_Row | None]) -> tuple[int, float]:
+    def _choose_k(self, batch: list[_Row | None], params: SamplingParams) -> tuple[int, float]:
         """K for this step, and the draft catch-up seconds a K round would pay first."""
-        switch = 0.0
-        if self.chooser.fixed is None:  # a fixed K ignores the price of switching
-            contexts = [row.tokens if row else None for row in batch]
-            switch = self.proposer.catch_up_seconds(
-                contexts, [row.draft_seen if row else 0 for row in batch]
-            )
-        return self.chooser.choose(len(batch), *self._forward_prices(len(batch)), switch), switch
-
-    def _wants_draft(self, width: int) -> bool:
-        return self.chooser.wants_draft(width, *self._forward_prices(width))
+        if self.chooser.fixed is not None:  # a fixed K ignores the price of switching
+            return self.chooser.fixed, 0.0
+        live = [row for row in batch if row]
+        switch = self.proposer.catch_up_seconds(
+            [row.tokens if row else None for row in batch],
+            [row.draft_seen if row else 0 for row in batch],
+        )
+        generated = sum(len(row.tokens) - row.prompt_len for row in live) / len(live)
+        horizon = params.max_new_tokens - generated
+        prices = self._forward_prices(len(batch))
+        return self.chooser.choose(len(batch), *prices, switch, horizon), switch
 
     def _forward_prices(self, width: int):
         """Measured forward times at batch bucket `width`: target [b, t] and the draft's K."""

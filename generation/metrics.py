@@ -90,14 +90,17 @@ class DraftLengthChooser:
     A step's cost is its whole measured wall time at this batch bucket (draft, verify,
     sampling, host bookkeeping), a moving average per (b, K). A K not yet measured is priced
     from its model forwards times the overhead ratio measured for other K, so host work is
-    never assumed free. Leaving plain decoding costs the draft's catch-up (`switch_seconds`),
-    charged over the rounds until the next reconsideration. alpha is a geometric MLE over
-    recent rounds whose evidence ages every step, so a change of text shows quickly.
+    never assumed free. Leaving plain decoding costs the draft's catch-up, and admitting rows
+    with a draft costs its prefill (`switch_seconds`): a one-off paid back only over the
+    tokens the rows have left (`horizon`), so short completions at a batch where a round
+    barely beats a plain step stay plain. alpha is a geometric MLE over recent rounds whose
+    evidence ages every step, so a change of text shows quickly.
     Now and then the losing side is tried once (a K round while plain wins, keeping alpha
     fresh; a plain step while speculation wins, keeping its timing fresh); each try that
     confirms the choice doubles the interval, up to `max_explore_every`. A try of speculation
-    is skipped when its catch-up would cost more than `explore_budget` of the plain time since
-    the last try: exploring may never make plain-winning batches noticeably slower.
+    waits until its catch-up is at most `explore_budget` of the plain time spent since the
+    last one: exploring may never make plain-winning runs noticeably slower, yet a draft that
+    would pay is found within a bounded amount of plain decoding.
     """
 
     def __init__(
@@ -113,6 +116,7 @@ class DraftLengthChooser:
         self.grid_ks, self.fixed, self.decay = grid_ks, fixed, decay
         self.base_interval, self.max_interval = explore_every, max_explore_every
         self.interval, self.since_explore = explore_every, 0
+        self.plain_since_try = 0.0  # plain seconds since speculation last ran: the try budget
         self.prior_alpha, self.explore_budget = prior_alpha, explore_budget
         self.accepted, self.trials = 0.0, 0.0
         self.last_best: int | None = None
@@ -152,39 +156,46 @@ class DraftLengthChooser:
         ]
         return forwards_seconds * (max(ratios) if ratios else 1.0)
 
-    def wants_draft(self, b: int, target_seconds, draft_seconds) -> bool:
-        """Whether new rows should be given draft state now: speculation is chosen at b."""
-        return self.fixed is not None or self._best(b, target_seconds, draft_seconds, 0.0)[0] > 0
+    def wants_draft(
+        self, b: int, target_seconds, draft_seconds, prefill_seconds: float, horizon: float
+    ) -> bool:
+        """Whether rows being admitted should get draft state (its prefill) now."""
+        if self.fixed is not None:
+            return True
+        return self._best(b, target_seconds, draft_seconds, prefill_seconds, horizon)[0] > 0
 
-    def _best(self, b: int, target_seconds, draft_seconds, switch_seconds: float):
-        alpha = self.alpha
+    def _best(self, b: int, target_seconds, draft_seconds, switch_seconds: float, horizon: float):
+        alpha, horizon = self.alpha, max(horizon, 1.0)
         plain = self.step_cost(b, 0, target_seconds(1))
         best_k, best_rate = 0, 1.0 / plain
         for k in self.grid_ks:
-            tokens = (1 - alpha ** (k + 1)) / (1 - alpha)
+            tokens = min((1 - alpha ** (k + 1)) / (1 - alpha), horizon)
             cost = self.step_cost(b, k, draft_seconds(k) + target_seconds(k + 1))
-            rate = tokens / (cost + switch_seconds / self.interval)
+            rate = tokens / (cost + switch_seconds * tokens / horizon)
             if rate > best_rate:
                 best_k, best_rate = k, rate
         return best_k, plain
 
-    def choose(self, b: int, target_seconds, draft_seconds, switch_seconds: float = 0.0) -> int:
+    def choose(
+        self, b: int, target_seconds, draft_seconds, switch_seconds: float, horizon: float
+    ) -> int:
         """target_seconds(t), draft_seconds(k): measured forward times at batch bucket b;
-        switch_seconds: the extra a K round costs now because the draft lags the context."""
+        switch_seconds: the extra a K round costs now because the draft lags the context;
+        horizon: tokens the batch's rows have left, over which that extra is paid back."""
         if self.fixed is not None:
             return self.fixed
         self.accepted *= self.decay
         self.trials *= self.decay
-        best_k, plain = self._best(b, target_seconds, draft_seconds, switch_seconds)
+        best_k, plain = self._best(b, target_seconds, draft_seconds, switch_seconds, horizon)
         if (best_k == 0) != (self.last_best == 0):  # the choice flipped: explore eagerly again
             self.interval = self.base_interval
         self.last_best = best_k
         self.since_explore += 1
-        if self.since_explore < self.interval:
-            return best_k
-        affordable = switch_seconds <= self.explore_budget * self.since_explore * plain
-        self.since_explore = 0
-        self.interval = min(2 * self.interval, self.max_interval)
-        if best_k:
-            return 0
-        return self.grid_ks[0] if affordable else 0
+        chosen = best_k
+        if self.since_explore >= self.interval:
+            self.since_explore = 0
+            self.interval = min(2 * self.interval, self.max_interval)
+            affordable = switch_seconds <= self.explore_budget * self.plain_since_try
+            chosen = 0 if best_k else (self.grid_ks[0] if affordable else 0)
+        self.plain_since_try = 0.0 if chosen else self.plain_since_try + plain
+        return chosen

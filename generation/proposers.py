@@ -39,6 +39,10 @@ class ModelProposer:
     def seconds_for(self, b: int, k: int) -> float:
         return self.runner.recent_seconds_for(b, 2) + (k - 1) * self.runner.recent_seconds_for(b, 1)
 
+    def prefill_seconds(self, lengths: list[int]) -> float:
+        """Recent time of a prefill of prompts of these lengths, for pricing it beforehand."""
+        return self.runner.recent_prefill_seconds(len(lengths), max(lengths)) if lengths else 0.0
+
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         started = time.perf_counter()
         self.runner.prefill(prompts, rows)
@@ -52,7 +56,7 @@ class ModelProposer:
         """Extra seconds the next round pays to bring the draft level with the contexts."""
         live = [(ctx, done) for ctx, done in zip(contexts, seen, strict=True) if ctx]
         missing = [self._prefill_length(ctx) for ctx, done in live if done == 0]
-        extra = self.runner.recent_prefill_seconds(len(missing), max(missing)) if missing else 0.0
+        extra = self.prefill_seconds(missing)
         lag = max(len(ctx) - (done or self._prefill_length(ctx)) for ctx, done in live)
         widest, b = CATCH_UP_WIDTHS[-1], len(contexts)
         chunks = max(0, -(-(lag - widest) // widest))
@@ -150,6 +154,9 @@ class PromptLookupProposer:
 
     def seconds_for(self, b: int, k: int) -> float:
         return self.seconds / self.calls if self.calls else 0.0
+
+    def prefill_seconds(self, lengths: list[int]) -> float:
+        return 0.0
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         """Nothing to precompute: the context itself is the draft's whole state."""

@@ -1,5 +1,6 @@
-"""The K chooser prices whole steps (host work included) and the draft's catch-up; a draft is
-prefilled only while speculation pays, and a draft that was skipped catches up exactly."""
+"""The K chooser prices whole steps (host work included), the draft's catch-up and its prefill
+against the tokens left; a draft is prefilled only while speculation pays, and a draft that was
+skipped catches up exactly."""
 
 from __future__ import annotations
 
@@ -26,15 +27,18 @@ def sure_chooser(alpha: float = 0.8, **kwargs) -> DraftLengthChooser:
     return chooser
 
 
+LONG = 1000.0  # tokens left: one-off costs are negligible over them
+
+
 def test_forwards_alone_make_speculation_win():
-    assert sure_chooser().choose(1, target_seconds, draft_seconds) > 0
+    assert sure_chooser().choose(1, target_seconds, draft_seconds, 0.0, LONG) > 0
 
 
 def test_measured_host_overhead_of_a_round_makes_plain_win():
     chooser = sure_chooser()
     chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
     chooser.observe_step(1, 2, seconds=3.0, forward_seconds=1.25)  # sampling, bookkeeping, ...
-    assert chooser.choose(1, target_seconds, draft_seconds) == 0
+    assert chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) == 0
 
 
 def test_an_unmeasured_k_is_priced_with_the_overhead_measured_for_another():
@@ -46,19 +50,40 @@ def test_an_unmeasured_k_is_priced_with_the_overhead_measured_for_another():
 
 def test_the_drafts_catch_up_is_charged_to_leaving_plain():
     chooser = sure_chooser()
-    assert chooser.choose(1, target_seconds, draft_seconds, switch_seconds=0.0) > 0
+    assert chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) > 0
     chooser = sure_chooser()
-    assert chooser.choose(1, target_seconds, draft_seconds, switch_seconds=5000.0) == 0
+    assert chooser.choose(1, target_seconds, draft_seconds, 5000.0, LONG) == 0
 
 
-def test_exploring_speculation_is_skipped_when_its_catch_up_exceeds_the_budget():
-    def chooser_after_plain_steps(switch_seconds: float) -> list[int]:
-        chooser = DraftLengthChooser([2], None, explore_every=4, explore_budget=0.05)
+def test_a_one_off_cost_is_paid_back_only_over_the_tokens_left():
+    """Batch-8-like prices: a K=2 round costs 2.1 plain steps for 2.44 tokens at alpha 0.8
+    (K=4: 3.6 for 3.36), and the draft's prefill costs 6 plain steps. That pays over 256
+    tokens left, not over 32."""
+    chooser = sure_chooser()
+    for k, seconds in ((0, 1.0), (2, 2.1), (4, 3.6)):
+        chooser.observe_step(8, k, seconds=seconds, forward_seconds=seconds)
+    prices = (target_seconds, draft_seconds)
+    assert chooser.wants_draft(8, *prices, prefill_seconds=0.0, horizon=32)
+    assert not chooser.wants_draft(8, *prices, prefill_seconds=6.0, horizon=32)
+    assert chooser.wants_draft(8, *prices, prefill_seconds=6.0, horizon=256)
+    assert chooser.choose(8, *prices, 6.0, 32) == 0  # the same for a draft that lags
+    assert chooser.choose(8, *prices, 6.0, 256) == 2
+
+
+def test_exploring_speculation_waits_until_its_catch_up_fits_the_budget():
+    """A try costing 0.3 s waits for 6 plain seconds (5 %), counted across explore intervals,
+    so a paying draft is still found while plain decoding wins on the prior."""
+
+    def choices(switch_seconds: float) -> list[int]:
+        chooser = DraftLengthChooser(
+            [2], None, explore_every=4, max_explore_every=4, explore_budget=0.05
+        )
         chooser.accepted, chooser.trials = 0.0, 1e6  # nothing is ever accepted: plain wins
-        return [chooser.choose(1, target_seconds, draft_seconds, switch_seconds) for _ in range(4)]
+        prices = (target_seconds, draft_seconds, switch_seconds, LONG)
+        return [chooser.choose(1, *prices) for _ in range(8)]
 
-    assert chooser_after_plain_steps(0.1) == [0, 0, 0, 2]  # 0.1 s <= 5 % of 4 plain seconds
-    assert chooser_after_plain_steps(0.3) == [0, 0, 0, 0]
+    assert choices(0.1) == [0, 0, 0, 2, 0, 0, 0, 2]  # 0.1 s <= 5 % of 4 plain seconds
+    assert choices(0.3) == [0, 0, 0, 0, 0, 0, 0, 2]  # 0.3 s <= 5 % of 8 plain seconds
 
 
 GRID = SMALL_GRID.model_copy(update={"cache_lengths": [64, 192]})
