@@ -1,7 +1,8 @@
 """Speculation on a real pair: Qwen2.5-Coder-1.5B-Instruct target, 0.5B draft (`make models`).
 
 One process, one thread, greedy, the same prompts for every contender, interleaved repetitions,
-medians. Engine: plain target; + 0.5B draft at K fixed and auto; + prompt lookup. transformers
+medians. Engine: plain target; + 0.5B draft (bf16, and its linears int8) at K fixed and auto;
++ prompt lookup. transformers
 at batch 1 (its assisted generation refuses batch > 1): plain `generate`, assisted with the same
 0.5B (`assistant_model`), prompt lookup. Code prompts (copy-heavy: refactor / complete this
 code) and free text, batch 1 and 8. Prints JSON; commit it under bench/results/.
@@ -11,6 +12,7 @@ Usage: python bench/qwen_pair.py [--repeats 3] [--threads 1] [--max-new-tokens 6
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 
@@ -21,6 +23,7 @@ from generation import Engine
 from generation.engine import DTYPES, load_model
 from generation.loading import load_tokenizer, resolve_model_dir
 from generation.proposers import ModelProposer, PromptLookupProposer
+from generation.quantize import int8_weights
 from generation.runner import ModelRunner
 from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
@@ -66,6 +69,10 @@ ENGINES = {
     "plain": dict(draft=None),
     "draft_0.5b_auto": dict(draft=DraftSpec(kind="model", model=DRAFT)),
     "draft_0.5b_k4": dict(draft=DraftSpec(kind="model", model=DRAFT), num_draft_tokens=4),
+    "draft_0.5b_int8_auto": dict(draft=DraftSpec(kind="model", model=DRAFT, dtype="int8")),
+    "draft_0.5b_int8_k4": dict(
+        draft=DraftSpec(kind="model", model=DRAFT, dtype="int8"), num_draft_tokens=4
+    ),
     "prompt_lookup_auto": dict(draft=DraftSpec(kind="prompt_lookup", ngram_max=3)),
 }
 
@@ -85,6 +92,9 @@ def build_engines(dtype: str, threads: int, names: list[str]) -> dict[str, Engin
     draft_spec = DRAFT.model_copy(update={"dtype": dtype})
     target = load_model(target_spec, GRID.max_cache, device)
     draft = load_model(draft_spec, GRID.max_cache, device)
+    draft_models = {None: draft.model}
+    if any(ENGINES[name].get("draft") and ENGINES[name]["draft"].dtype for name in names):
+        draft_models["int8"] = int8_weights(copy.deepcopy(draft.model))
     engines = {}
     for name in names:
         overrides = ENGINES[name]
@@ -95,7 +105,8 @@ def build_engines(dtype: str, threads: int, names: list[str]) -> dict[str, Engin
                               cpu_threads=threads, **overrides)
         proposer, loaded_draft = None, None
         if spec is not None and spec.kind == "model":
-            runner = ModelRunner(draft.model, GRID, device, DTYPES[dtype], False, False)
+            model = draft_models[spec.dtype]
+            runner = ModelRunner(model, GRID, device, DTYPES[dtype], False, False)
             proposer, loaded_draft = ModelProposer(runner), draft
         elif spec is not None:
             proposer = PromptLookupProposer(spec.ngram_max, spec.ngram_min)
@@ -152,8 +163,8 @@ def main() -> None:
 def ratios_between(tps: dict[str, float]) -> dict[str, float]:
     """Each contender vs plain at its set and batch; ours vs transformers' at batch 1."""
     ratios = {}
-    pairs = [("draft_0.5b_auto", "hf_assisted_0.5b"), ("prompt_lookup_auto", "hf_prompt_lookup"),
-             ("hf_assisted_0.5b", "hf_plain")]
+    pairs = [("draft_0.5b_auto", "hf_assisted_0.5b"), ("draft_0.5b_int8_auto", "hf_assisted_0.5b"),
+             ("prompt_lookup_auto", "hf_prompt_lookup"), ("hf_assisted_0.5b", "hf_plain")]
     for key, value in tps.items():
         prefix, name = key.rsplit("/", 1)
         if name != "plain" and not name.startswith("hf_") and f"{prefix}/plain" in tps:

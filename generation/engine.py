@@ -21,7 +21,7 @@ from generation.device import resolve_device
 from generation.metrics import DraftLengthChooser, EngineStats
 from generation.model import CausalLM, DecoderConfig
 from generation.proposers import CATCH_UP_WIDTHS, ModelProposer, PromptLookupProposer
-from generation.quantize import quantized_copy
+from generation.quantize import int8_weights, quantized_copy
 from generation.rejection import verify
 from generation.runner import ModelRunner, bucket
 from generation.sampling import RowRandom, choose, step_draws
@@ -157,10 +157,13 @@ class Engine:
                 draft = load_model(draft_spec.model, grid.max_cache, device)
                 _check_same_tokenizer(target, draft)
                 draft_model, draft_dtype = draft.model, DTYPES[draft_spec.model.dtype]
+                if draft_spec.dtype == "int8":
+                    draft_model = int8_weights(draft_model)
             else:
-                draft_model = quantized_copy(target.model, draft_spec.dtype)
+                weights = draft_spec.dtype or "int8"
+                draft_model = quantized_copy(target.model, weights)
                 draft_dtype = (
-                    DTYPES[config.target.dtype] if draft_spec.dtype == "int8" else torch.bfloat16
+                    DTYPES[config.target.dtype] if weights == "int8" else torch.bfloat16
                 )
             runner = ModelRunner(
                 draft_model, grid, device, draft_dtype, config.compile, config.hpu_graphs

@@ -48,14 +48,19 @@ class ModelSpec(_Strict):
 class DraftSpec(_Strict):
     """What proposes the tokens the target verifies.
 
-    kind="model": a separate, smaller model sharing the target's tokenizer.
+    kind="model": a separate, smaller model sharing the target's tokenizer (dtype int8: its
+    linears quantized at load time; a draft's precision moves speed, never the tokens).
     kind="quantized": the target itself at lower precision, built at load time.
     kind="prompt_lookup": copy the continuation of the last n-gram match in the prompt/text so far.
     """
 
     kind: Literal["model", "quantized", "prompt_lookup"]
     model: ModelSpec | None = None
-    dtype: Literal["int8", "bfloat16"] = Field("int8", description="int8: W8A8 dynamic on x86")
+    dtype: Literal["int8", "bfloat16"] | None = Field(
+        None,
+        description="int8: W8A8 dynamic on x86. kind=quantized: int8 (the default) or "
+        "bfloat16; kind=model: int8, or None for draft.model.dtype as loaded",
+    )
     ngram_max: int = Field(3, ge=1, le=8)
     ngram_min: int = Field(1, ge=1, le=8)
 
@@ -65,6 +70,10 @@ class DraftSpec(_Strict):
             raise ValueError("draft.kind='model' needs draft.model (a ModelSpec)")
         if self.kind != "model" and self.model is not None:
             raise ValueError(f"draft.model is only used with kind='model', not {self.kind!r}")
+        if self.kind == "model" and self.dtype == "bfloat16":
+            raise ValueError("a model draft's bf16 is draft.model.dtype: bfloat16, not draft.dtype")
+        if self.kind == "prompt_lookup" and self.dtype is not None:
+            raise ValueError("draft.dtype is for kind 'model' or 'quantized', not prompt_lookup")
         if self.ngram_min > self.ngram_max:
             raise ValueError("draft.ngram_min must be <= draft.ngram_max")
         return self
@@ -132,11 +141,12 @@ class EngineConfig(_Strict):
     )
 
     def draft_model_name(self) -> str | None:
-        """The metrics' draft_model: its path, `target#kind` for a target-derived draft, None."""
+        """The metrics' draft_model: its path (`path#int8` quantized), `target#kind` for a
+        target-derived draft, None."""
         if self.draft is None:
             return None
         if self.draft.kind == "model":
-            return self.draft.model.path
+            return self.draft.model.path + ("#int8" if self.draft.dtype == "int8" else "")
         return f"{self.target.path}#{self.draft.kind}"
 
     @model_validator(mode="after")

@@ -42,9 +42,13 @@ def engine_for(model_dir, **overrides) -> Engine:
 
 
 def drafts(target_dir, other_dir) -> dict[str, DraftSpec]:
-    """Every draft kind: another model, the target itself, quantized copies, prompt lookup."""
+    """Every draft kind: another model (bf16 + int8 too), the target itself, quantized copies,
+    prompt lookup."""
     return {
         "independent-model": DraftSpec(kind="model", model=ModelSpec(path=str(other_dir))),
+        "independent-model-int8": DraftSpec(
+            kind="model", model=ModelSpec(path=str(other_dir), dtype="bfloat16"), dtype="int8"
+        ),
         "same-model": DraftSpec(kind="model", model=ModelSpec(path=str(target_dir))),
         "quantized-int8": DraftSpec(kind="quantized", dtype="int8"),
         "quantized-bf16": DraftSpec(kind="quantized", dtype="bfloat16"),

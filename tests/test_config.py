@@ -125,3 +125,15 @@ def test_prices_file_prices_the_run_and_a_missing_one_is_a_config_error(tmp_path
     missing = {**pricing, "prices_file": str(tmp_path / "nope.yaml")}
     with pytest.raises(ConfigError, match=r"pricing\.prices_file: .*nope\.yaml"):
         parse_run_config({**VALID, "pricing": missing})
+
+
+def test_draft_dtype_is_refused_where_it_means_nothing():
+    from schemas import DraftSpec, ModelSpec
+
+    model = ModelSpec(path="packaged:qwen2.5-coder-0.5b-instruct")
+    assert DraftSpec(kind="model", model=model, dtype="int8").dtype == "int8"
+    assert DraftSpec(kind="quantized").dtype is None  # built as int8, the default
+    with pytest.raises(ValueError, match="draft.model.dtype: bfloat16"):
+        DraftSpec(kind="model", model=model, dtype="bfloat16")
+    with pytest.raises(ValueError, match="not prompt_lookup"):
+        DraftSpec(kind="prompt_lookup", dtype="int8")

@@ -19,7 +19,14 @@ SAMPLING = {
     "top-k-top-p": SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9),
     "top-p": SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.8),  # full-sort fallback
 }
-DRAFTS = ["independent-model", "same-model", "quantized-int8", "quantized-bf16", "prompt-lookup"]
+DRAFTS = [
+    "independent-model",
+    "independent-model-int8",
+    "same-model",
+    "quantized-int8",
+    "quantized-bf16",
+    "prompt-lookup",
+]
 
 
 def alone(engine: Engine, params: SamplingParams) -> list[list[int]]:

@@ -11,6 +11,7 @@ from engine_helpers import SMALL_GRID, drafts, engine_for, hf_greedy, varied_pro
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from generation.quantize import Int8Linear
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
 BATCH_1_AND_8 = SMALL_GRID.model_copy(update={"batch_sizes": [1, 8]})
@@ -20,7 +21,14 @@ BATCH_1_ONLY = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
 @pytest.mark.parametrize("grid", [BATCH_1_ONLY, BATCH_1_AND_8], ids=["batch1", "batch8"])
 @pytest.mark.parametrize(
     "draft",
-    ["independent-model", "same-model", "quantized-int8", "quantized-bf16", "prompt-lookup"],
+    [
+        "independent-model",
+        "independent-model-int8",
+        "same-model",
+        "quantized-int8",
+        "quantized-bf16",
+        "prompt-lookup",
+    ],
 )
 def test_greedy_speculation_is_token_identical(draft, grid, tiny_llama_dir, tiny_llama_other_dir):
     prompts = [*varied_prompts(10), "the cat sat on the mat the cat sat on the mat the cat"]
@@ -41,6 +49,9 @@ def test_greedy_speculation_is_token_identical(draft, grid, tiny_llama_dir, tiny
     if draft == "independent-model":
         assert stats.acceptance_rate < 0.5  # ragged: rows keep different numbers of tokens
         assert len({c.accepted for c in completions}) > 1
+    if draft == "independent-model-int8":  # the draft really runs int8 linears
+        assert isinstance(engine.proposer.runner.model.model.layers[0].mlp.down_proj, Int8Linear)
+        assert engine.model_info["draft_model"] == f"{tiny_llama_other_dir}#int8"
 
 
 def test_greedy_speculation_matches_transformers(tiny_llama_dir, tiny_llama_other_dir):
@@ -221,3 +232,18 @@ def test_sampling_keeps_the_target_distribution(draft, verification, vocab16_pai
         assert stats.accepted_per_position[1] > 0  # bonus tokens after full acceptance happened
     assert chi_square_p_value(counts, exact) > FALSE_ALARM
     assert chi_square_p_value(counts, draft_exact) < 1e-9  # not the draft's distribution
+
+
+@pytest.mark.parametrize("rows", [1, 300], ids=["fbgemm-rows", "dense-rows"])
+def test_int8_linear_with_bias_follows_a_bf16_linear(rows):
+    """A bf16 draft with biased projections (Qwen2's qkv): both kernels, few rows through
+    fbgemm and a prefill's many rows through the dequantized dense product, track the
+    original linear to int8 precision."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True).to(torch.bfloat16)
+    x = torch.randn(rows, 64, dtype=torch.bfloat16)
+    expected = linear(x).float()
+    got = Int8Linear(linear)(x)
+    assert got.dtype == torch.bfloat16 and got.shape == expected.shape
+    error = (got.float() - expected).norm() / expected.norm()
+    assert error < 0.03
