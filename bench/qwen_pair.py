@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import statistics
 
@@ -23,14 +24,14 @@ from generation import Engine
 from generation.engine import DTYPES, load_model
 from generation.loading import load_tokenizer, resolve_model_dir
 from generation.proposers import ModelProposer, PromptLookupProposer
-from generation.quantize import int8_weights
+from generation.quantize import ExactInt8Linear, int8_weights
 from generation.runner import ModelRunner
 from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
 TARGET = ModelSpec(path="packaged:qwen2.5-coder-1.5b-instruct")
 DRAFT = ModelSpec(path="packaged:qwen2.5-coder-0.5b-instruct")
 GRID = BucketGrid(
-    batch_sizes=[1, 8], prompt_lengths=[128, 256], cache_lengths=[384], draft_lengths=[2, 4, 6]
+    batch_sizes=[1, 8], prompt_lengths=[64, 128, 256], cache_lengths=[384], draft_lengths=[2, 4, 6]
 )
 SNIPPETS = [
     "def mean(xs):\n    total = 0\n    for x in xs:\n        total = total + x\n"
@@ -74,7 +75,14 @@ ENGINES = {
         draft=DraftSpec(kind="model", model=DRAFT, dtype="int8"), num_draft_tokens=4
     ),
     "prompt_lookup_auto": dict(draft=DraftSpec(kind="prompt_lookup", ngram_max=3)),
+    # The target's own linears int8 (quantize: int8, exact integer GEMMs): another model, so
+    # its speculation is compared with its own plain decoding.
+    "int8_target_plain": dict(draft=None, int8_target=True),
+    "int8_target_draft_0.5b_int8_auto": dict(
+        draft=DraftSpec(kind="model", model=DRAFT, dtype="int8"), int8_target=True
+    ),
 }
+DEFAULT_ENGINES = [name for name, overrides in ENGINES.items() if "int8_target" not in overrides]
 
 
 def hf_models(dtype: torch.dtype):
@@ -95,13 +103,19 @@ def build_engines(dtype: str, threads: int, names: list[str]) -> dict[str, Engin
     draft_models = {None: draft.model}
     if any(ENGINES[name].get("draft") and ENGINES[name]["draft"].dtype for name in names):
         draft_models["int8"] = int8_weights(copy.deepcopy(draft.model))
+    targets = {False: (target_spec, target)}
+    if any(ENGINES[name].get("int8_target") for name in names):
+        int8_spec = target_spec.model_copy(update={"quantize": "int8"})
+        int8_model = int8_weights(copy.deepcopy(target.model), ExactInt8Linear)
+        targets[True] = (int8_spec, dataclasses.replace(target, model=int8_model))
     engines = {}
     for name in names:
-        overrides = ENGINES[name]
+        overrides = dict(ENGINES[name])
         spec = overrides.get("draft")
+        engine_target_spec, engine_target = targets[overrides.pop("int8_target", False)]
         if spec is not None and spec.kind == "model":
             overrides = {**overrides, "draft": spec.model_copy(update={"model": draft_spec})}
-        config = EngineConfig(target=target_spec, device="cpu", bucket_grid=GRID,
+        config = EngineConfig(target=engine_target_spec, device="cpu", bucket_grid=GRID,
                               cpu_threads=threads, **overrides)
         proposer, loaded_draft = None, None
         if spec is not None and spec.kind == "model":
@@ -110,7 +124,7 @@ def build_engines(dtype: str, threads: int, names: list[str]) -> dict[str, Engin
             proposer, loaded_draft = ModelProposer(runner), draft
         elif spec is not None:
             proposer = PromptLookupProposer(spec.ngram_max, spec.ngram_min)
-        engines[name] = Engine(config, target, device, proposer, loaded_draft)
+        engines[name] = Engine(config, engine_target, device, proposer, loaded_draft)
         engines[name].warmup()
     return engines
 
@@ -122,7 +136,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=list(ENGINES))
+    parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=DEFAULT_ENGINES)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -164,7 +178,8 @@ def ratios_between(tps: dict[str, float]) -> dict[str, float]:
     """Each contender vs plain at its set and batch; ours vs transformers' at batch 1."""
     ratios = {}
     pairs = [("draft_0.5b_auto", "hf_assisted_0.5b"), ("draft_0.5b_int8_auto", "hf_assisted_0.5b"),
-             ("prompt_lookup_auto", "hf_prompt_lookup"), ("hf_assisted_0.5b", "hf_plain")]
+             ("prompt_lookup_auto", "hf_prompt_lookup"), ("hf_assisted_0.5b", "hf_plain"),
+             ("int8_target_draft_0.5b_int8_auto", "int8_target_plain")]
     for key, value in tps.items():
         prefix, name = key.rsplit("/", 1)
         if name != "plain" and not name.startswith("hf_") and f"{prefix}/plain" in tps:

@@ -21,7 +21,7 @@ from generation.device import resolve_device
 from generation.metrics import DraftLengthChooser, EngineStats
 from generation.model import CausalLM, DecoderConfig
 from generation.proposers import CATCH_UP_WIDTHS, ModelProposer, PromptLookupProposer
-from generation.quantize import int8_weights, quantized_copy
+from generation.quantize import ExactInt8Linear, int8_weights, quantized_copy
 from generation.rejection import verify
 from generation.runner import ModelRunner, bucket
 from generation.sampling import RowRandom, choose, step_draws
@@ -69,6 +69,8 @@ def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> Loa
     model = CausalLM(DecoderConfig.from_hf(config), max_positions)
     model.load_hf_weights(loading.load_state_dict(directory))
     model = model.to_dtype(DTYPES[spec.dtype]).to(device).eval()
+    if spec.quantize == "int8":
+        model = int8_weights(model, ExactInt8Linear)
     tokenizer = loading.load_tokenizer(directory)
     eos = loading.eos_token_ids(directory, config) | {tokenizer.eos_token_id} - {None}
     return LoadedModel(
@@ -188,7 +190,7 @@ class Engine:
     def model_info(self) -> dict:
         """Names and weight hashes for the metrics; a target-derived draft is `target#kind`."""
         return {
-            "target_model": self.config.target.path,
+            "target_model": self.config.target.name,
             "target_weights_sha256": self.target_loaded.weights_sha256,
             "draft_model": self.config.draft_model_name(),
             "draft_weights_sha256": self.draft_loaded.weights_sha256 if self.draft_loaded else None,

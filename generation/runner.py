@@ -13,6 +13,7 @@ import torch
 
 from generation import device as devices
 from generation.model import CausalLM, KVCache
+from generation.quantize import prefilling
 from schemas import BucketGrid
 from schemas.engine import CATCH_UP_WIDTHS
 
@@ -138,16 +139,17 @@ class ModelRunner:
         slots[: len(rows)] = torch.tensor(rows)
         positions = torch.arange(t).expand(b, t)
         mask = self._mask(positions, t)
-        logits = self._run(
-            ("prefill", b, t, 0),
-            sum(len(p) for p in prompts),
-            tokens=tokens.to(self.device),
-            positions=positions.to(self.device),
-            rows=slots.to(self.device),
-            mask=mask.to(self.device),
-            logit_index=last.to(self.device),
-            attend_len=0,
-        )
+        with prefilling():
+            logits = self._run(
+                ("prefill", b, t, 0),
+                sum(len(p) for p in prompts),
+                tokens=tokens.to(self.device),
+                positions=positions.to(self.device),
+                rows=slots.to(self.device),
+                mask=mask.to(self.device),
+                logit_index=last.to(self.device),
+                attend_len=0,
+            )
         return logits[: len(prompts), 0]
 
     def decode(

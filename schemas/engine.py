@@ -35,6 +35,16 @@ class ModelSpec(_Strict):
 
     path: str
     dtype: DType = "float32"
+    quantize: Literal["int8"] | None = Field(
+        None,
+        description="int8: linears as int8 weights x per-row int8 activations, an exact integer "
+        "GEMM, so results stay batch-invariant (fit for a target); dtype is the rest's",
+    )
+
+    @property
+    def name(self) -> str:
+        """The path, marked `#int8` when quantized: what metrics call this model."""
+        return self.path + ("#int8" if self.quantize else "")
 
     @field_validator("path")
     @classmethod
@@ -146,7 +156,7 @@ class EngineConfig(_Strict):
         if self.draft is None:
             return None
         if self.draft.kind == "model":
-            return self.draft.model.path + ("#int8" if self.draft.dtype == "int8" else "")
+            return self.draft.model.name + ("#int8" if self.draft.dtype == "int8" else "")
         return f"{self.target.path}#{self.draft.kind}"
 
     @model_validator(mode="after")

@@ -54,7 +54,7 @@ def _history(config: RunConfig) -> dict[str, Any] | None:
     except NoMetricsError:
         return None
     cursor = con.execute(HISTORY_SQL, {
-        "target": engine.target.path, "draft": engine.draft_model_name(),
+        "target": engine.target.name, "draft": engine.draft_model_name(),
         "kind": engine.draft.kind if engine.draft else "none",
         "device": config.pricing.device_type,
     })

@@ -133,7 +133,7 @@ def test_draft_dtype_is_refused_where_it_means_nothing():
     model = ModelSpec(path="packaged:qwen2.5-coder-0.5b-instruct")
     assert DraftSpec(kind="model", model=model, dtype="int8").dtype == "int8"
     assert DraftSpec(kind="quantized").dtype is None  # built as int8, the default
-    with pytest.raises(ValueError, match="draft.model.dtype: bfloat16"):
+    with pytest.raises(ValueError, match=r"draft\.model\.dtype: bfloat16"):
         DraftSpec(kind="model", model=model, dtype="bfloat16")
     with pytest.raises(ValueError, match="not prompt_lookup"):
         DraftSpec(kind="prompt_lookup", dtype="int8")

@@ -10,7 +10,7 @@ import pytest
 from engine_helpers import SMALL_GRID, drafts, engine_for, varied_prompts
 
 from generation import Engine
-from schemas import DraftSpec, EngineConfig, SamplingParams
+from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
 PROMPTS = [*varied_prompts(7), "the cat sat on the mat the cat sat on the mat the cat"]
 SEEDS = [1000 + 17 * i for i in range(len(PROMPTS))]
@@ -125,3 +125,21 @@ def test_smollm2_int8_draft_reproduces_plain_sampling(smollm2_spec):
         completions = speculative.generate(prompts[::-1], params, seeds=seeds[::-1])[::-1]
         assert [c.token_ids for c in completions] == [c.token_ids for c in plain]
     assert speculative.stats.accepted > 0
+
+
+def test_an_int8_target_keeps_its_completions_whatever_the_batch_draft_or_k(
+    tiny_llama_dir, tiny_llama_other_dir
+):
+    """quantize=int8 makes a different model, but still one: its seeded completions are the
+    same alone, in a shuffled batch, and under speculation (exact integer GEMMs in decode)."""
+    int8 = ModelSpec(path=str(tiny_llama_dir), quantize="int8")
+    one_row = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
+    params = SAMPLING["top-k-top-p"]
+    expected = alone(engine_for(tiny_llama_dir, target=int8, bucket_grid=one_row), params)
+    assert expected != alone(engine_for(tiny_llama_dir, bucket_grid=one_row), params)
+    assert shuffled(engine_for(tiny_llama_dir, target=int8), params, order_seed=3) == expected
+    draft = drafts(tiny_llama_dir, tiny_llama_other_dir)["independent-model"]
+    speculative = engine_for(tiny_llama_dir, target=int8, draft=draft, num_draft_tokens=4)
+    assert shuffled(speculative, params, order_seed=4) == expected
+    assert speculative.stats.rounds > 0
+    assert speculative.model_info["target_model"] == f"{tiny_llama_dir}#int8"

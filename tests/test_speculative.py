@@ -11,7 +11,7 @@ from engine_helpers import SMALL_GRID, drafts, engine_for, hf_greedy, varied_pro
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from generation.quantize import Int8Linear
+from generation.quantize import ExactInt8Linear, Int8Linear, prefilling
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
 BATCH_1_AND_8 = SMALL_GRID.model_copy(update={"batch_sizes": [1, 8]})
@@ -247,3 +247,21 @@ def test_int8_linear_with_bias_follows_a_bf16_linear(rows):
     assert got.dtype == torch.bfloat16 and got.shape == expected.shape
     error = (got.float() - expected).norm() / expected.norm()
     assert error < 0.03
+
+
+def test_exact_int8_linear_is_row_invariant_and_close():
+    """A row's output is bitwise the same alone or among 8 neighbours (decode), and both the
+    integer product and the prefill's dense product track the float linear."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48, bias=True)
+    exact = ExactInt8Linear(linear)
+    x = torch.randn(8, 3, 64)
+    assert torch.equal(exact(x)[2:3, :1], exact(x[2:3, :1]))
+    expected = linear(x)
+    for got in (exact(x), _prefilled(exact, x)):
+        assert (got - expected).norm() / expected.norm() < 0.03
+
+
+def _prefilled(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with prefilling():
+        return module(x)
