@@ -289,6 +289,7 @@ class Engine:
                 )
             else:
                 waiting.append(row)
+        self.chooser.new_prompts()
         capacity = bucket(self.grid.batch_sizes, max(1, min(len(waiting), self.grid.max_batch)))
         slots: list[_Row | None] = [None] * capacity
         self._stats.batch_bucket_max = max(self._stats.batch_bucket_max, capacity if waiting else 0)

@@ -94,7 +94,10 @@ class DraftLengthChooser:
     with a draft costs its prefill (`switch_seconds`): a one-off paid back only over the
     tokens the rows have left (`horizon`), so short completions at a batch where a round
     barely beats a plain step stay plain. alpha is a geometric MLE over recent rounds whose
-    evidence ages every step, so a change of text shows quickly.
+    evidence ages every step, so a change of text shows quickly. A new call's prompts are
+    other text: what earlier calls measured carries over as a prior worth `carried_trials`
+    draft tokens (`new_prompts`), not as hundreds of trials that a batch of 8 piles up and a
+    batch-1 text at low acceptance would need ten rounds to outweigh.
     Now and then the losing side is tried once (a K round while plain wins, keeping alpha
     fresh; a plain step while speculation wins, keeping its timing fresh); each try that
     confirms the choice doubles the interval, up to `max_explore_every`. A try of speculation
@@ -112,12 +115,14 @@ class DraftLengthChooser:
         decay: float = 0.9,
         prior_alpha: float = 0.7,
         explore_budget: float = 0.05,
+        carried_trials: float = 4.0,
     ):
         self.grid_ks, self.fixed, self.decay = grid_ks, fixed, decay
         self.base_interval, self.max_interval = explore_every, max_explore_every
         self.interval, self.since_explore = explore_every, 0
         self.plain_since_try = 0.0  # plain seconds since speculation last ran: the try budget
         self.prior_alpha, self.explore_budget = prior_alpha, explore_budget
+        self.carried_trials = carried_trials
         self.accepted, self.trials = 0.0, 0.0
         self.last_best: int | None = None
         self.step_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> whole step, averaged
@@ -130,6 +135,12 @@ class DraftLengthChooser:
         if self.trials < 1e-3:
             return self.prior_alpha
         return min(self.accepted / self.trials, 0.999)
+
+    def new_prompts(self) -> None:
+        """Keep alpha, but only as a prior: the next prompts' own rounds soon outweigh it."""
+        if self.trials > self.carried_trials:
+            scale = self.carried_trials / self.trials
+            self.accepted, self.trials = self.accepted * scale, self.trials * scale
 
     def observe(self, k: int, accepted: list[int]) -> None:
         for count in accepted:
