@@ -41,6 +41,16 @@ def engine_for(model_dir, **overrides) -> Engine:
     return Engine.from_config(EngineConfig(**(config | overrides)))
 
 
+DRAFT_NAMES = [
+    "independent-model",
+    "independent-model-int8",
+    "same-model",
+    "quantized-int8",
+    "quantized-bf16",
+    "prompt-lookup",
+]  # the keys of drafts()
+
+
 def drafts(target_dir, other_dir) -> dict[str, DraftSpec]:
     """Every draft kind: another model (bf16 + int8 too), the target itself, quantized copies,
     prompt lookup."""

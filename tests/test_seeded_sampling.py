@@ -7,7 +7,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from engine_helpers import SMALL_GRID, drafts, engine_for, varied_prompts
+from engine_helpers import DRAFT_NAMES, SMALL_GRID, drafts, engine_for, varied_prompts
 
 from generation import Engine
 from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams
@@ -19,14 +19,6 @@ SAMPLING = {
     "top-k-top-p": SamplingParams(max_new_tokens=12, temperature=0.8, top_k=40, top_p=0.9),
     "top-p": SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.8),  # full-sort fallback
 }
-DRAFTS = [
-    "independent-model",
-    "independent-model-int8",
-    "same-model",
-    "quantized-int8",
-    "quantized-bf16",
-    "prompt-lookup",
-]
 
 
 def alone(engine: Engine, params: SamplingParams) -> list[list[int]]:
@@ -73,7 +65,7 @@ def test_plain_sampling_ignores_batch_and_order(tiny_llama_dir, reference):
         assert shuffled(engine, params, order_seed=2) == reference[name], name
 
 
-@pytest.mark.parametrize("draft", DRAFTS)
+@pytest.mark.parametrize("draft", DRAFT_NAMES)
 def test_every_draft_and_k_reproduces_plain_sampling(
     draft, tiny_llama_dir, tiny_llama_other_dir, reference
 ):

@@ -7,7 +7,14 @@ import itertools
 
 import pytest
 import torch
-from engine_helpers import SMALL_GRID, drafts, engine_for, hf_greedy, varied_prompts
+from engine_helpers import (
+    DRAFT_NAMES,
+    SMALL_GRID,
+    drafts,
+    engine_for,
+    hf_greedy,
+    varied_prompts,
+)
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
@@ -19,17 +26,7 @@ BATCH_1_ONLY = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
 
 
 @pytest.mark.parametrize("grid", [BATCH_1_ONLY, BATCH_1_AND_8], ids=["batch1", "batch8"])
-@pytest.mark.parametrize(
-    "draft",
-    [
-        "independent-model",
-        "independent-model-int8",
-        "same-model",
-        "quantized-int8",
-        "quantized-bf16",
-        "prompt-lookup",
-    ],
-)
+@pytest.mark.parametrize("draft", DRAFT_NAMES)
 def test_greedy_speculation_is_token_identical(draft, grid, tiny_llama_dir, tiny_llama_other_dir):
     prompts = [*varied_prompts(10), "the cat sat on the mat the cat sat on the mat the cat"]
     params = SamplingParams(max_new_tokens=14)
