@@ -17,6 +17,15 @@ from schemas import SamplingParams
 from schemas.engine import CATCH_UP_WIDTHS
 
 
+def _windows(contexts: list[list[int] | None], firsts: list[int], width: int):
+    """Each row's tokens from `firsts[i]`, at most `width`; and them zero-padded, [b, width]."""
+    window = [
+        ctx[first : first + width] if ctx else []
+        for ctx, first in zip(contexts, firsts, strict=True)
+    ]
+    return window, torch.tensor([w + [0] * (width - len(w)) for w in window])
+
+
 class ModelProposer:
     """A draft model (separate, or the target quantized) decoding K tokens autoregressively.
 
@@ -85,11 +94,7 @@ class ModelProposer:
                 min(done, len(ctx) - widest) if ctx else 0
                 for ctx, done in zip(contexts, seen, strict=True)
             ]
-            window = [
-                ctx[first : first + widest] if ctx else []
-                for ctx, first in zip(contexts, firsts, strict=True)
-            ]
-            tokens = torch.tensor([w + [0] * (widest - len(w)) for w in window])
+            _, tokens = _windows(contexts, firsts, widest)
             self.runner.decode(
                 tokens, torch.tensor(firsts), live, torch.zeros(len(contexts), 1, dtype=torch.long)
             )
@@ -119,11 +124,7 @@ class ModelProposer:
         lag = max(len(ctx) - done for ctx, done in zip(contexts, seen, strict=True) if ctx)
         width = bucket(CATCH_UP_WIDTHS, lag)
         firsts = [max(len(ctx) - width, 0) if ctx else 0 for ctx in contexts]
-        window = [
-            (ctx[first : first + width] if ctx else [])
-            for ctx, first in zip(contexts, firsts, strict=False)
-        ]
-        tokens = torch.tensor([w + [0] * (width - len(w)) for w in window])
+        window, tokens = _windows(contexts, firsts, width)
         starts = torch.tensor(firsts)
         last = torch.tensor([[max(len(w) - 1, 0)] for w in window])
         drafted, probs = [], []

@@ -157,7 +157,7 @@ class EngineConfig(_Strict):
             return None
         if self.draft.kind == "model":
             return self.draft.model.name + ("#int8" if self.draft.dtype == "int8" else "")
-        return f"{self.target.path}#{self.draft.kind}"
+        return f"{self.target.name}#{self.draft.kind}"
 
     @model_validator(mode="after")
     def _k_on_grid(self) -> EngineConfig:
