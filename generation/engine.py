@@ -18,6 +18,7 @@ import torch
 
 from generation import loading
 from generation.device import resolve_device
+from generation.draft_stop import DraftStopper, RoundPrices
 from generation.metrics import DraftLengthChooser, EngineStats
 from generation.model import CausalLM, DecoderConfig
 from generation.proposers import CATCH_UP_WIDTHS, ModelProposer, PromptLookupProposer
@@ -134,11 +135,14 @@ class Engine:
         self.tokenizer = target.tokenizer
         dtype = DTYPES[config.target.dtype]
         self.target = ModelRunner(
-            target.model, self.grid, device, dtype, config.compile, config.hpu_graphs
+            target.model, self.grid, device, dtype, config.compile, config.hpu_graphs,
+            config.cuda_graphs,
         )
         self.proposer = proposer
         fixed = None if config.num_draft_tokens == "auto" else config.num_draft_tokens
         self.chooser = DraftLengthChooser(self.grid.draft_lengths, fixed)
+        early = config.stop_drafting_early and isinstance(proposer, ModelProposer)
+        self.stopper = DraftStopper() if early else None  # used while K is auto
         # Room for a verify round is kept with or without a draft, so both stop at one length.
         self.max_draft = self.grid.draft_lengths[-1]
         self._stop_ids = target.eos_ids  # plus the call's stop_token_ids, set per generate()
@@ -168,7 +172,8 @@ class Engine:
                     DTYPES[config.target.dtype] if weights == "int8" else torch.bfloat16
                 )
             runner = ModelRunner(
-                draft_model, grid, device, draft_dtype, config.compile, config.hpu_graphs
+                draft_model, grid, device, draft_dtype, config.compile, config.hpu_graphs,
+                config.cuda_graphs,
             )
             proposer = ModelProposer(runner)
         return cls(config, target, device, proposer, draft)
@@ -232,17 +237,20 @@ class Engine:
         stats.target_shapes = len(self.target.shapes)
         stats.draft_shapes = len(self._draft_runner.shapes) if self._draft_runner else 0
         stats.distinct_shapes = stats.target_shapes + stats.draft_shapes
-        stats.compiles = self.target.compiles + (
-            self._draft_runner.compiles if self._draft_runner else 0
-        )
+        stats.compiles = sum(runner.compiles for runner in self._runners)
+        stats.graph_captures = sum(runner.graph_captures for runner in self._runners)
         return stats
 
     @property
     def _draft_runner(self) -> ModelRunner | None:
         return self.proposer.runner if isinstance(self.proposer, ModelProposer) else None
 
+    @property
+    def _runners(self) -> list[ModelRunner]:
+        return [self.target] + ([self._draft_runner] if self._draft_runner else [])
+
     def _runner_totals(self) -> dict:
-        runners = [self.target] + ([self._draft_runner] if self._draft_runner else [])
+        runners = self._runners
         return {
             "target_forwards": self.target.forwards,
             "draft_forwards": self.proposer.forwards if self.proposer else 0,
@@ -304,12 +312,12 @@ class Engine:
             k, switch_seconds = (
                 self._choose_k(slots[:width], params) if self.proposer else (0, 0.0)
             )
-            self._stats.record_step(k)
             forwards_before, step_started = self._forward_seconds(), time.perf_counter()
             if k:
-                self._speculative_step(slots[:width], k, params)
+                k = self._speculative_step(slots[:width], k, params)
             else:
                 self._decode_step(slots[:width], params)
+            self._stats.record_step(k)
             if not (k and switch_seconds):  # a catch-up round prices the switch, not K
                 self.chooser.observe_step(
                     width,
@@ -392,15 +400,25 @@ class Engine:
                 self._append(row, [token], params)
         self._stats.decode_seconds += time.perf_counter() - started
 
-    def _speculative_step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> None:
-        """One round: draft K per row, verify [b, K+1] in one target forward, keep per row."""
+    def _speculative_step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> int:
+        """One round: draft K per row, verify [b, K+1] in one target forward, keep per row.
+        With a stopper, K is the largest grid K and drafting may end at a smaller one: the K
+        drafted is returned."""
         live = [row for row in batch if row]
         tokens_before = self._stats.tokens_generated
+        stopper = self.stopper if self.chooser.fixed is None else None
+        if stopper:
+            k = self.max_draft
+            stopper.start_round(self._round_prices(batch, params))
         draws = self._draws(batch, k + 1, params)  # the K + 1 positions this round may fill
         started = time.perf_counter()
         contexts = [row.tokens if row else None for row in batch]
         seen = [row.draft_seen if row else 0 for row in batch]
-        draft_tokens, draft_probs = self.proposer.propose(contexts, seen, k, params, draws)
+        draft_tokens, draft_probs = self.proposer.propose(
+            contexts, seen, k, params, draws, stopper
+        )
+        k = draft_tokens.shape[1]
+        draws = draws.head(k + 1) if draws else None
         drafted = time.perf_counter()
         draft_tokens = draft_tokens.to(self.device)
         last = torch.tensor([[row.tokens[-1] if row else 0] for row in batch], device=self.device)
@@ -427,10 +445,26 @@ class Engine:
             self._append(row, [*draft_tokens[i][:kept], next_token[i]], params)
         self._stats.record_round(k, counts)
         self.chooser.observe(k, counts)
+        if stopper:
+            stopper.observe(accepted)
         plain_step = self.target.seconds_now(len(batch), 1, k + 1, int(starts.max()) + k)
         self._stats.record_plain_estimate(
             self._stats.tokens_generated - tokens_before, len(live), plain_step
         )
+        return k
+
+    def _round_prices(self, batch: list[_Row | None], params: SamplingParams) -> RoundPrices:
+        """From each grid K to the next: the draft steps and wider verify it costs; what a
+        token is worth now (the chosen step's cost per token); each row's tokens left."""
+        target, draft = self._forward_prices(len(batch))
+        ks = self.grid.draft_lengths
+        onward = {
+            i: (j - i, draft(j) - draft(i) + target(j + 1) - target(i + 1))
+            for i, j in itertools.pairwise(ks)
+        }
+        left = [params.max_new_tokens - len(row.generated) if row else 0 for row in batch]
+        live = sum(1 for row in batch if row)
+        return RoundPrices(onward, self.chooser.row_token_seconds / live, left)
 
     def _choose_k(self, batch: list[_Row | None], params: SamplingParams) -> tuple[int, float]:
         """K for this step, and the draft catch-up seconds a K round would pay first."""
@@ -514,9 +548,8 @@ class Engine:
         destinations = list(range(len(live)))
         moves = [(s, d) for s, d in zip(live, destinations, strict=True) if s != d]
         sources, targets = [s for s, _ in moves], [d for _, d in moves]
-        for runner in (self.target, self._draft_runner):
-            if runner:
-                runner.cache.move_rows(sources, targets)
+        for runner in self._runners:
+            runner.cache.move_rows(sources, targets)
         rows = [slots[i] for i in live]
         for i in range(len(slots)):
             slots[i] = rows[i] if i < len(rows) else None

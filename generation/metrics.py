@@ -20,6 +20,7 @@ class EngineStats:
     target_shapes: int = 0
     draft_shapes: int = 0
     compiles: int = 0
+    graph_captures: int = 0  # CUDA graphs captured (one per grid shape a runner met)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -104,6 +105,9 @@ class DraftLengthChooser:
     waits until its catch-up is at most `explore_budget` of the plain time spent since the
     last one: exploring may never make plain-winning runs noticeably slower, yet a draft that
     would pay is found within a bounded amount of plain decoding.
+    With a DraftStopper (model drafts, K auto) a chosen K > 0 only says "speculate": the round
+    drafts up to the largest grid K and the stopper picks where it ends; the rounds it ran
+    are what alpha and the step costs learn from.
     """
 
     def __init__(
@@ -125,6 +129,7 @@ class DraftLengthChooser:
         self.carried_trials = carried_trials
         self.accepted, self.trials = 0.0, 0.0
         self.last_best: int | None = None
+        self.row_token_seconds = 0.0  # a batch step's cost per token of one row, at the best K
         self.step_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> whole step, averaged
         self.forward_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> its forwards then
 
@@ -185,7 +190,7 @@ class DraftLengthChooser:
             rate = tokens / (cost + switch_seconds * tokens / horizon)
             if rate > best_rate:
                 best_k, best_rate = k, rate
-        return best_k, plain
+        return best_k, plain, best_rate
 
     def choose(
         self, b: int, target_seconds, draft_seconds, switch_seconds: float, horizon: float
@@ -197,7 +202,8 @@ class DraftLengthChooser:
             return self.fixed
         self.accepted *= self.decay
         self.trials *= self.decay
-        best_k, plain = self._best(b, target_seconds, draft_seconds, switch_seconds, horizon)
+        best_k, plain, rate = self._best(b, target_seconds, draft_seconds, switch_seconds, horizon)
+        self.row_token_seconds = 1.0 / rate
         if (best_k == 0) != (self.last_best == 0):  # the choice flipped: explore eagerly again
             self.interval = self.base_interval
         self.last_best = best_k

@@ -11,8 +11,9 @@ import time
 import numpy as np
 import torch
 
+from generation.draft_stop import DraftStopper
 from generation.runner import ModelRunner, bucket
-from generation.sampling import Draws, draft_choice
+from generation.sampling import Draws, chosen_probability, draft_choice
 from schemas import SamplingParams
 from schemas.engine import CATCH_UP_WIDTHS
 
@@ -110,12 +111,15 @@ class ModelProposer:
         k: int,
         params: SamplingParams,
         draws: Draws | None,
+        stopper: DraftStopper | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens [b, K] and, under rejection verification, their probabilities [b, K, V].
+        """Draft tokens [b, K'] and, under rejection verification, their probabilities [b, K', V]:
+        K' = K, or the grid K where `stopper` ended the round.
 
         `contexts[i]` is None for an idle row (it runs at position 0 of its own free cache row);
         `seen[i]` is how many of row i's context tokens the draft cache holds. Drafted tokens
-        stay on the device between steps: no host sync until the verifier's results are read.
+        stay on the device between steps: no host sync until the verifier's results are read,
+        except the stopper's one read at each grid K it weighs.
         """
         started = time.perf_counter()
         idle = torch.tensor([ctx is None for ctx in contexts])
@@ -134,6 +138,10 @@ class ModelProposer:
             drafted.append(token)
             if token_probs is not None:
                 probs.append(token_probs)
+            if stopper and not stopper.keep_going(
+                step + 1, chosen_probability(logits, token, params, token_probs)
+            ):
+                break
             starts = (starts + last[:, 0] + 1).masked_fill(idle, 0)
             tokens, last = token[:, None], torch.zeros_like(last)
         self.seconds += time.perf_counter() - started
@@ -165,7 +173,8 @@ class PromptLookupProposer:
     def catch_up_seconds(self, contexts, seen) -> float:
         return 0.0  # never behind: it reads the context as it is
 
-    def propose(self, contexts, seen, k, params, draws):
+    def propose(self, contexts, seen, k, params, draws, stopper=None):
+        """Free drafts, so there is nothing to save by stopping early: `stopper` is unused."""
         started = time.perf_counter()
         drafts = [self._lookup(ctx, k) if ctx else [0] * k for ctx in contexts]
         self.seconds += time.perf_counter() - started

@@ -12,6 +12,7 @@ from collections import Counter
 import torch
 
 from generation import device as devices
+from generation.graphs import GraphedForward, graph_capture
 from generation.model import CausalLM, KVCache
 from generation.quantize import prefilling
 from schemas import BucketGrid
@@ -51,6 +52,7 @@ class ModelRunner:
         dtype: torch.dtype,
         compile_model: bool = False,
         hpu_graphs: bool = True,
+        cuda_graphs: bool = False,
     ):
         self.model, self.grid, self.device = model, grid, device
         self.cache = KVCache(model.config, grid.max_batch + 1, grid.max_cache, dtype, device)
@@ -69,6 +71,13 @@ class ModelRunner:
             )
         elif hpu_graphs and device.type == "hpu":
             self._forward = devices.wrap_in_hpu_graph(model).forward
+        capture = graph_capture(device) if cuda_graphs else None
+        if capture:  # over the compiled forward too: inductor's kernels are capturable
+            self._forward = GraphedForward(self._forward, capture)
+
+    @property
+    def graph_captures(self) -> int:
+        return self._forward.captures if isinstance(self._forward, GraphedForward) else 0
 
     def _counting_backend(self, graph_module, example_inputs):
         from torch._inductor.compile_fx import compile_fx

@@ -143,6 +143,14 @@ class Draws:
             return Draws(keys=self.keys[:, j], _parent=(self, j))
         return Draws(uniforms=self.uniforms[:, j])
 
+    def head(self, positions: int) -> Draws:
+        """The draws of a step's first `positions` positions, for a round that drafted fewer
+        tokens than it had draws for. Rejection uniforms are read at offsets from K, so whole."""
+        if self.keys is None:
+            return self
+        noise = None if self._noise is None else self._noise[:, :positions]
+        return Draws(keys=self.keys[:, :positions], _noise=noise)
+
     def vocabulary_noise(self, vocab: int) -> torch.Tensor:
         """Gumbel noise for every token [..., vocab], made once per step: the draft's steps
         and the verifier read the same positions."""
@@ -174,6 +182,20 @@ def draft_choice(
         return coupled_choice(logits, params, draws, exact=False), None
     probs = probabilities(logits, params, exact=False)
     return sample(probs, draws.uniforms), probs
+
+
+def chosen_probability(
+    logits: torch.Tensor, token: torch.Tensor, params: SamplingParams, probs: torch.Tensor | None
+) -> torch.Tensor:
+    """How sure a draft was of its tokens [b]: their probability under the distribution it
+    drew from (greedy: the softmax; `probs` when draft_choice returned it)."""
+    if probs is None:
+        probs = (
+            torch.softmax(logits.float(), -1)
+            if params.greedy
+            else probabilities(logits, params, exact=False)
+        )
+    return probs.gather(-1, token[:, None]).squeeze(-1)
 
 
 class RowRandom:

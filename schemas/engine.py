@@ -139,10 +139,18 @@ class EngineConfig(_Strict):
     num_draft_tokens: int | Literal["auto"] = Field(
         "auto", description="K per speculation round: one of bucket_grid.draft_lengths, or auto"
     )
+    stop_drafting_early: bool = Field(
+        True,
+        description="K auto, model or quantized draft: each round drafts up to the largest K "
+        "and ends at a smaller grid K where the draft's confidence says more would not pay",
+    )
     device: Literal["auto", "cpu", "cuda", "hpu"] = "auto"
     bucket_grid: BucketGrid = BucketGrid()
     compile: bool = Field(False, description="torch.compile(dynamic=False) on cpu/cuda")
     hpu_graphs: bool = Field(True, description="wrap_in_hpu_graph on Gaudi")
+    cuda_graphs: bool = Field(
+        False, description="on cuda: capture one CUDA graph per grid shape and replay it"
+    )
     cpu_threads: int | None = Field(
         None,
         ge=1,

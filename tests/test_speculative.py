@@ -18,6 +18,7 @@ from engine_helpers import (
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from generation.draft_stop import DraftStopper
 from generation.quantize import ExactInt8Linear, Int8Linear, prefilling
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
@@ -209,14 +210,28 @@ def test_chi_square_test_detects_a_two_percent_shift(vocab16_pair):
         ("quantized-bf16", "coupled"),
         ("prompt-lookup", "coupled"),
         ("independent-model", "rejection"),
+        ("independent-model", "rejection-stopped-early"),
     ],
 )
-def test_sampling_keeps_the_target_distribution(draft, verification, vocab16_pair):
-    """SAMPLES seeded samples of (x2, x3) against the target's exact distribution."""
+def test_sampling_keeps_the_target_distribution(draft, verification, vocab16_pair, monkeypatch):
+    """SAMPLES seeded samples of (x2, x3) against the target's exact distribution. Stopped
+    early: K auto, rounds that draft 2 or 4 tokens as the draft's own confidence decides."""
     target_dir, draft_dir, exact, draft_exact = vocab16_pair
     grid = SMALL_GRID.model_copy(update={"batch_sizes": [64], "prompt_lengths": [4]})
     spec = None if draft == "none" else drafts(target_dir, draft_dir)[draft]
-    engine = engine_for(target_dir, bucket_grid=grid, num_draft_tokens=2, draft=spec)
+    stopped_early = verification == "rejection-stopped-early"
+    k = "auto" if stopped_early else 2
+    engine = engine_for(target_dir, bucket_grid=grid, num_draft_tokens=k, draft=spec)
+    if stopped_early:
+        verification = "rejection"
+        monkeypatch.setattr(engine.chooser, "choose", lambda *args: 2)
+        priced = DraftStopper.keep_going
+
+        def by_the_first_rows_confidence(self, drafted, confidence):
+            priced(self, drafted, confidence)  # still records the round for calibration
+            return drafted != 2 or bool(confidence[0] > 0.1)
+
+        monkeypatch.setattr(DraftStopper, "keep_going", by_the_first_rows_confidence)
     params = SamplingParams(max_new_tokens=3, temperature=TEMPERATURE, verification=verification)
     completions = engine.generate([PROMPT] * SAMPLES, params, seeds=list(range(SAMPLES)))
     counts = torch.zeros(VOCAB, VOCAB)
@@ -227,6 +242,8 @@ def test_sampling_keeps_the_target_distribution(draft, verification, vocab16_pai
         assert 0.1 < stats.acceptance_rate < 0.9
     if spec is not None:
         assert stats.accepted_per_position[1] > 0  # bonus tokens after full acceptance happened
+    if stopped_early:
+        assert min(stats.steps_per_k.get(2, 0), stats.steps_per_k.get(4, 0)) > 50
     assert chi_square_p_value(counts, exact) > FALSE_ALARM
     assert chi_square_p_value(counts, draft_exact) < 1e-9  # not the draft's distribution
 
