@@ -72,8 +72,8 @@ def load_hf_smollm2():
 
 def hf_generate(
     model, tokenizer, prompt_ids: list[list[int]], max_new_tokens: int, **kwargs
-) -> int:
-    """transformers' generate, greedy, left-padded batch; returns tokens generated up to EOS."""
+) -> list[list[int]]:
+    """transformers' generate, greedy, left-padded batch; each row's tokens up to its EOS."""
     width = max(len(p) for p in prompt_ids)
     pad = tokenizer.eos_token_id
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompt_ids])
@@ -87,10 +87,11 @@ def hf_generate(
             pad_token_id=pad,
             **kwargs,
         )
-    generated = 0
-    for row in out[:, width:].tolist():
-        generated += row.index(pad) + 1 if pad in row else len(row)
-    return generated
+    return [row[: row.index(pad) + 1] if pad in row else row for row in out[:, width:].tolist()]
+
+
+def hf_rate(seconds: float, rows: list[list[int]]) -> float:
+    return sum(len(row) for row in rows) / seconds
 
 
 def rounded(ratio: float | None) -> float | None:

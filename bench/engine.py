@@ -16,6 +16,7 @@ from _common import (
     SMOLLM2,
     copy_bandwidth_bytes_per_second,
     hf_generate,
+    hf_rate,
     load_hf_smollm2,
     timed,
     weight_bytes,
@@ -61,10 +62,10 @@ def main() -> None:
                 # Paired: the copy runs right after the decode it is compared with, so a busy
                 # neighbour on this shared host moves both figures, not only the ratio.
                 fractions.append(weights * decode_rates[-1] / copy_bandwidth_bytes_per_second())
-            seconds, tokens = timed(
+            seconds, rows = timed(
                 lambda p=prompts: hf_generate(hf_model, tokenizer, p, MAX_NEW_TOKENS)
             )
-            runs.setdefault(f"hf_b{b}", []).append(tokens / seconds)
+            runs.setdefault(f"hf_b{b}", []).append(hf_rate(seconds, rows))
 
     tps = {name: statistics.median(values) for name, values in runs.items()}
     achieved = weights * statistics.median(decode_rates)

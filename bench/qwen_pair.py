@@ -18,7 +18,7 @@ import json
 import statistics
 
 import torch
-from _common import EngineTimings, hf_generate, timed
+from _common import EngineTimings, hf_generate, hf_rate, timed
 
 from generation import Engine
 from generation.engine import DTYPES, load_model
@@ -31,7 +31,10 @@ from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingPara
 TARGET = ModelSpec(path="packaged:qwen2.5-coder-1.5b-instruct")
 DRAFT = ModelSpec(path="packaged:qwen2.5-coder-0.5b-instruct")
 GRID = BucketGrid(
-    batch_sizes=[1, 8], prompt_lengths=[64, 128, 256], cache_lengths=[384], draft_lengths=[2, 4, 6]
+    batch_sizes=[1, 8],
+    prompt_lengths=[64, 128, 256],
+    cache_lengths=[384],
+    draft_lengths=[2, 3, 4, 5, 6, 8],  # fine steps: where a round's drafting may stop
 )
 SNIPPETS = [
     "def mean(xs):\n    total = 0\n    for x in xs:\n        total = total + x\n"
@@ -71,6 +74,9 @@ ENGINES = {
     "draft_0.5b_auto": dict(draft=DraftSpec(kind="model", model=DRAFT)),
     "draft_0.5b_k4": dict(draft=DraftSpec(kind="model", model=DRAFT), num_draft_tokens=4),
     "draft_0.5b_int8_auto": dict(draft=DraftSpec(kind="model", model=DRAFT, dtype="int8")),
+    "draft_0.5b_int8_auto_no_early_stop": dict(
+        draft=DraftSpec(kind="model", model=DRAFT, dtype="int8"), stop_drafting_early=False
+    ),
     "draft_0.5b_int8_k4": dict(
         draft=DraftSpec(kind="model", model=DRAFT, dtype="int8"), num_draft_tokens=4
     ),
@@ -93,13 +99,15 @@ def hf_models(dtype: torch.dtype):
     return target, draft, load_tokenizer(resolve_model_dir(TARGET))
 
 
-def build_engines(dtype: str, threads: int, names: list[str]) -> dict[str, Engine]:
+def build_engines(
+    dtype: str, threads: int, names: list[str], grid: BucketGrid
+) -> dict[str, Engine]:
     """Every contender over the same loaded weights (one copy of each model in memory)."""
     device = torch.device("cpu")
     target_spec = TARGET.model_copy(update={"dtype": dtype})
     draft_spec = DRAFT.model_copy(update={"dtype": dtype})
-    target = load_model(target_spec, GRID.max_cache, device)
-    draft = load_model(draft_spec, GRID.max_cache, device)
+    target = load_model(target_spec, grid.max_cache, device)
+    draft = load_model(draft_spec, grid.max_cache, device)
     draft_models = {None: draft.model}
     if any(ENGINES[name].get("draft") and ENGINES[name]["draft"].dtype for name in names):
         draft_models["int8"] = int8_weights(copy.deepcopy(draft.model))
@@ -115,12 +123,12 @@ def build_engines(dtype: str, threads: int, names: list[str]) -> dict[str, Engin
         engine_target_spec, engine_target = targets[overrides.pop("int8_target", False)]
         if spec is not None and spec.kind == "model":
             overrides = {**overrides, "draft": spec.model_copy(update={"model": draft_spec})}
-        config = EngineConfig(target=engine_target_spec, device="cpu", bucket_grid=GRID,
+        config = EngineConfig(target=engine_target_spec, device="cpu", bucket_grid=grid,
                               cpu_threads=threads, **overrides)
         proposer, loaded_draft = None, None
         if spec is not None and spec.kind == "model":
             model = draft_models[spec.dtype]
-            runner = ModelRunner(model, GRID, device, DTYPES[dtype], False, False)
+            runner = ModelRunner(model, grid, device, DTYPES[dtype], False, False)
             proposer, loaded_draft = ModelProposer(runner), draft
         elif spec is not None:
             proposer = PromptLookupProposer(spec.ngram_max, spec.ngram_min)
@@ -138,35 +146,42 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=DEFAULT_ENGINES)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    parser.add_argument("--draft-lengths", type=int, nargs="+", default=GRID.draft_lengths)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     names = ["plain", *(name for name in args.engines if name != "plain")]
-    engines = build_engines(args.dtype, args.threads, names)
+    grid = GRID.model_copy(update={"draft_lengths": args.draft_lengths})
+    engines = build_engines(args.dtype, args.threads, names, grid)
     baselines = {}
-    if not args.no_hf:
+    if not args.no_hf and 1 in args.batches:  # transformers' assisted generation is batch 1
         hf_target, hf_draft, tokenizer = hf_models(DTYPES[args.dtype])
         baselines = {"hf_plain": {}, "hf_assisted_0.5b": {"assistant_model": hf_draft},
                      "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4}}
 
     timings = EngineTimings()
     rates = timings.rates
+    hf_same_as_plain: dict[str, list[bool]] = {}  # transformers' tokens == our plain engine's
     for _ in range(args.repeats):
         for set_name, prompts in PROMPT_SETS.items():
             timings.time_engines(engines, set_name, prompts, args.batches, params)
             ids = [engines["plain"].encode(prompts[0])]
+            plain_tokens = timings.outputs[f"{set_name}/b1"][-len(engines)]  # this repetition's
             for name, kwargs in baselines.items():
-                seconds, tokens = timed(lambda k=kwargs, i=ids: hf_generate(
+                seconds, rows = timed(lambda k=kwargs, i=ids: hf_generate(
                     hf_target, tokenizer, i, args.max_new_tokens, **k))
-                rates.setdefault(f"{set_name}/b1/{name}", []).append(tokens / seconds)
+                key = f"{set_name}/b1/{name}"
+                rates.setdefault(key, []).append(hf_rate(seconds, rows))
+                hf_same_as_plain.setdefault(key, []).append(rows == plain_tokens)
 
     tps = {key: round(statistics.median(values), 3) for key, values in rates.items()}
     print(json.dumps({
         "target": TARGET.path, "draft": DRAFT.path, "dtype": args.dtype,
-        "max_new_tokens": args.max_new_tokens,
+        "max_new_tokens": args.max_new_tokens, "draft_lengths": grid.draft_lengths,
         "repeats": args.repeats, "torch_threads": args.threads,
         "all_engine_outputs_identical_to_plain": timings.outputs_identical(),
         "outputs_differing_in": timings.outputs_differing(),
+        "transformers_tokens_equal_to_plain_engine": hf_same_as_plain,
         "tokens_per_second": tps, "ratios": ratios_between(tps), "acceptance": timings.acceptance,
         "targets": {"code/b1 draft vs plain": ">= 1.8", "free_text/b1 draft vs plain": ">= 1.3",
                     "b1 draft vs hf assisted": ">= 1.3", "b8 vs plain": ">= 1.0",

@@ -15,7 +15,15 @@ import json
 import statistics
 
 import torch
-from _common import PROMPT_SETS, SMOLLM2, EngineTimings, hf_generate, load_hf_smollm2, timed
+from _common import (
+    PROMPT_SETS,
+    SMOLLM2,
+    EngineTimings,
+    hf_generate,
+    hf_rate,
+    load_hf_smollm2,
+    timed,
+)
 
 from generation import Engine
 from generation.quantize import int8_linears
@@ -66,12 +74,12 @@ def main() -> None:
             timings.time_engines(engines, set_name, prompts, (1, 8), params)
             ids = [engines["plain"].encode(prompts[0])]
             for name, kwargs in baselines.items():
-                seconds, tokens = timed(
+                seconds, rows = timed(
                     lambda k=kwargs, i=ids: hf_generate(
                         hf_model, tokenizer, i, args.max_new_tokens, **k
                     )
                 )
-                rates.setdefault(f"{set_name}/b1/{name}", []).append(tokens / seconds)
+                rates.setdefault(f"{set_name}/b1/{name}", []).append(hf_rate(seconds, rows))
 
     tps = {key: round(statistics.median(values), 2) for key, values in rates.items()}
     ratios = {}
