@@ -45,9 +45,11 @@ def _shared_pool():
 
 
 def replay_in_place(forward: Callable[[], torch.Tensor]) -> tuple[torch.Tensor, Callable[[], None]]:
-    """The CPU stand-in for a capture: replay reruns the forward into the same output buffer,
-    keeping the contract a CUDA graph has (static inputs in, static output out)."""
-    output = forward()
+    """The CPU stand-in for a capture, keeping a CUDA graph's contract: static inputs in, one
+    static output out. Like `cuda_capture` it runs the forward for real first (its warm-up
+    runs do) but leaves the captured output undefined (NaN here) until a replay fills it: a
+    capture records kernels, it does not run them."""
+    output = torch.full_like(forward(), float("nan"))
     return output, lambda: output.copy_(forward())
 
 
@@ -82,9 +84,9 @@ class GraphedForward:
             fixed = {n: v for n, v in inputs.items() if not isinstance(v, torch.Tensor)}
             output, replay = self.capture(lambda: self.forward(cache=cache, **static, **fixed))
             self.graphs[key] = (static, output, replay)
-            return output
-        static, output, replay = self.graphs[key]
-        for name, buffer in static.items():
-            buffer.copy_(inputs[name])
-        replay()
+        else:
+            static, output, replay = self.graphs[key]
+            for name, buffer in static.items():
+                buffer.copy_(inputs[name])
+        replay()  # after a capture too: capturing ran nothing into `output`
         return output

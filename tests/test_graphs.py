@@ -46,6 +46,17 @@ def test_graphs_are_captured_once_per_shape_in_warmup_and_keep_the_tokens(
     assert graphed.stats.rounds > 20  # verify and draft shapes were replayed
 
 
+def test_a_shape_first_met_while_generating_returns_its_own_logits(graphs_on_cpu, tiny_llama_dir):
+    """Without a warm-up every shape is captured mid-generation. A capture runs no kernel into
+    its output (the stand-in leaves NaN there), so the capturing call must replay as well."""
+    prompts, params = varied_prompts(5), SamplingParams(max_new_tokens=12)
+    eager = engine_for(tiny_llama_dir).generate(prompts, params)
+    graphed = engine_for(tiny_llama_dir, cuda_graphs=True)
+    replayed = graphed.generate(prompts, params)
+    assert graphed.stats.graph_captures == graphed.stats.distinct_shapes > 2
+    assert [c.token_ids for c in replayed] == [c.token_ids for c in eager]
+
+
 def test_a_replay_returns_the_graphs_static_output(graphs_on_cpu, tiny_llama_dir):
     runner = engine_for(tiny_llama_dir, cuda_graphs=True).target
     first = runner.prefill([[5, 6, 7]], [0])
