@@ -108,10 +108,23 @@ class ExactInt8Linear(nn.Module):
         flat = x.reshape(-1, x.shape[-1]).float()
         scale = flat.abs().amax(dim=1, keepdim=True).clamp_min(1e-8) / 127.0
         rows = (flat / scale).round().clamp(-127, 127).to(torch.int8)
-        out = torch._int_mm(rows, self.weight_t) * (scale * self.scales)
+        out = _int_mm(rows, self.weight_t) * (scale * self.scales)
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], -1)
+
+
+INT_MM_MIN_ROWS = {"cuda": 17}  # CUDA's torch._int_mm refuses 16 rows or fewer
+
+
+def _int_mm(rows: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
+    """torch._int_mm, with zero rows appended where the device's kernel needs more rows (a
+    decode step has 1-8 on CUDA). Rows are summed independently, so padding changes none."""
+    needed = INT_MM_MIN_ROWS.get(rows.device.type, 0) - rows.shape[0]
+    if needed <= 0:
+        return torch._int_mm(rows, weight_t)
+    padded = torch.cat([rows, rows.new_zeros(needed, rows.shape[1])])
+    return torch._int_mm(padded, weight_t)[: rows.shape[0]]
 
 
 def quantized_copy(model: CausalLM, dtype: str) -> CausalLM:

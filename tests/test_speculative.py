@@ -18,6 +18,7 @@ from engine_helpers import (
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from generation import quantize
 from generation.draft_stop import DraftStopper
 from generation.quantize import ExactInt8Linear, Int8Linear, prefilling
 from schemas import DraftSpec, ModelSpec, SamplingParams
@@ -274,6 +275,17 @@ def test_exact_int8_linear_is_row_invariant_and_close():
     expected = linear(x)
     for got in (exact(x), _prefilled(exact, x)):
         assert (got - expected).norm() / expected.norm() < 0.03
+
+
+def test_exact_int8_rows_padded_for_cudas_kernel_keep_their_results(monkeypatch):
+    """CUDA's _int_mm needs more than 16 rows; a decode step's 1-8 rows are padded with zeros
+    there. Padding (forced here on CPU) must give every real row the same result."""
+    torch.manual_seed(0)
+    exact = ExactInt8Linear(torch.nn.Linear(64, 48, bias=True))
+    x = torch.randn(3, 1, 64)
+    unpadded = exact(x)
+    monkeypatch.setitem(quantize.INT_MM_MIN_ROWS, "cpu", 17)
+    assert torch.equal(exact(x), unpadded)
 
 
 def _prefilled(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
