@@ -141,6 +141,28 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+FEW_QUERIES = 12  # decode and verify widths up to this use few_query_attention on CPU
+
+
+def few_query_attention(q, keys, values, mask) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d)) v over a cache prefix, in fp32, for a few query tokens per row.
+
+    Each KV head's query heads are folded into one [g * t, d] matrix, so grouped-query
+    attention is two plain batched GEMMs. On CPU, SDPA's masked path costs more than the
+    arithmetic here (bf16, 1 thread, 384 keys, one Qwen 1.5B layer): 0.97 vs 0.12 ms at
+    [1, 1], 7.8 vs 3.9 ms at [8, 1] (whole 1.5B step 577 -> 379 ms; 0.5B int8 draft step
+    165 -> 60 ms). Wider calls (catch-up, prefill) keep SDPA, which wins from ~16 queries.
+    """
+    b, h, t, d = q.shape
+    kv = keys.shape[1]
+    groups = h // kv
+    folded = q.reshape(b, kv, groups * t, d).float()
+    scores = torch.matmul(folded, keys.float().transpose(-1, -2)).view(b, kv, groups, t, -1)
+    scores = scores.mul_(d**-0.5).masked_fill_(~mask[:, :, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).view(b, kv, groups * t, -1)
+    return torch.matmul(probs, values.float()).view(b, h, t, d).to(q.dtype)
+
+
 class Attention(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
@@ -165,7 +187,10 @@ class Attention(nn.Module):
             keys, values = k, v
         else:  # decode: the first b cache rows, up to the covering cache-length bucket
             keys, values = cache_k[:b, :, :attend_len], cache_v[:b, :, :attend_len]
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+        if attend_len and t <= FEW_QUERIES and q.device.type == "cpu":
+            out = few_query_attention(q, keys, values, mask)
+        else:
+            out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
