@@ -141,7 +141,7 @@ class Engine:
         self.proposer = proposer
         fixed = None if config.num_draft_tokens == "auto" else config.num_draft_tokens
         self.chooser = DraftLengthChooser(self.grid.draft_lengths, fixed)
-        early = config.stop_drafting_early and isinstance(proposer, ModelProposer)
+        early = config.stop_drafting_early and proposer is not None
         self.stopper = DraftStopper() if early else None  # used while K is auto
         # Room for a verify round is kept with or without a draft, so both stop at one length.
         self.max_draft = self.grid.draft_lengths[-1]

@@ -148,11 +148,22 @@ class ModelProposer:
         return torch.stack(drafted, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
 
+FILLER_CONFIDENCE = 0.05  # a token past what the prompt offers to copy: a guess, rarely kept
+
+
+def copy_confidence(ngram: int) -> float:
+    """A prior guess of how likely a copied token is kept, from the n-gram it continues; the
+    stopper's tables replace it with what the target kept."""
+    return min(0.25 + 0.2 * ngram, 0.95)
+
+
 class PromptLookupProposer:
     """Copies what followed the latest earlier occurrence of the context's last n-gram.
 
     Rows without a match propose a repeat of their last token; the verifier rejects it cheaply.
-    Deterministic, so the verifier treats its distribution as one-hot.
+    Deterministic, so the verifier treats its distribution as one-hot. With a stopper, each
+    token's confidence says what backs it (the matched n-gram's length, or nothing), so a
+    round runs long where a row copies and ends at the smallest K where none does.
     """
 
     def __init__(self, ngram_max: int, ngram_min: int):
@@ -174,14 +185,26 @@ class PromptLookupProposer:
         return 0.0  # never behind: it reads the context as it is
 
     def propose(self, contexts, seen, k, params, draws, stopper=None):
-        """Free drafts, so there is nothing to save by stopping early: `stopper` is unused."""
+        """Drafts [b, K'] (K' = K, or the grid K where `stopper` ended the round), and None
+        for their probabilities (one-hot)."""
         started = time.perf_counter()
-        drafts = [self._lookup(ctx, k) if ctx else [0] * k for ctx in contexts]
+        found = [self._lookup(ctx, k) if ctx else ([0] * k, 0, 0) for ctx in contexts]
+        drafts = torch.tensor([tokens for tokens, _, _ in found], dtype=torch.long)
+        if stopper:
+            confidence = torch.tensor([
+                [copy_confidence(ngram) if j < copied else FILLER_CONFIDENCE for j in range(k)]
+                for _, ngram, copied in found
+            ])
+            for step in range(k):
+                if not stopper.keep_going(step + 1, confidence[:, step]):
+                    drafts = drafts[:, : step + 1]
+                    break
         self.seconds += time.perf_counter() - started
         self.calls += 1
-        return torch.tensor(drafts, dtype=torch.long), None
+        return drafts, None
 
-    def _lookup(self, context: list[int], k: int) -> list[int]:
+    def _lookup(self, context: list[int], k: int) -> tuple[list[int], int, int]:
+        """K tokens to propose, the n-gram length matched (0: none) and how many are copied."""
         seq = np.asarray(context)
         for n in range(min(self.ngram_max, len(seq) - 1), self.ngram_min - 1, -1):
             tail = seq[-n:]
@@ -189,5 +212,5 @@ class PromptLookupProposer:
             hits = np.flatnonzero((windows == tail).all(axis=1))
             if hits.size:
                 follow = seq[hits[-1] + n : hits[-1] + n + k].tolist()
-                return follow + [follow[-1]] * (k - len(follow))
-        return [int(seq[-1])] * k
+                return follow + [follow[-1]] * (k - len(follow)), n, len(follow)
+        return [int(seq[-1])] * k, 0, 0

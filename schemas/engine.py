@@ -141,8 +141,8 @@ class EngineConfig(_Strict):
     )
     stop_drafting_early: bool = Field(
         True,
-        description="K auto, model or quantized draft: each round drafts up to the largest K "
-        "and ends at a smaller grid K where the draft's confidence says more would not pay",
+        description="K auto: each round drafts up to the largest K and ends at a smaller grid "
+        "K where the draft's confidence (prompt lookup: its n-gram match) says more would not pay",
     )
     device: Literal["auto", "cpu", "cuda", "hpu"] = "auto"
     bucket_grid: BucketGrid = BucketGrid()

@@ -9,6 +9,7 @@ import torch
 from engine_helpers import engine_for, varied_prompts
 
 from generation.draft_stop import DraftStopper, RoundPrices
+from generation.proposers import PromptLookupProposer
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
 # From K=2, drafting on to K=4 costs 0.5 s and a token is worth 1 s. Before any round is
@@ -70,6 +71,26 @@ def test_only_tokens_the_verifier_reached_are_counted():
     assert added(stopper.kept, kept_before) == [0, 2, 0, 0, 0, 2, 0, 1, 0, 1]
     # the token after m was tested where m was kept: row 0's 1st, row 1's 1st to 3rd
     assert added(stopper.onward, onward_before) == [0, 2, 0, 0, 0, 1, 0, 1, 0, 0]
+
+
+def lookup_round(stopper: DraftStopper, context: list[int]) -> list[int]:
+    stopper.start_round(RoundPrices(ONWARD, seconds_per_token=1.0, tokens_left=[FAR]))
+    proposer = PromptLookupProposer(ngram_max=3, ngram_min=1)
+    drafts, _ = proposer.propose([context], [0], 4, SamplingParams(), None, stopper)
+    return drafts[0].tolist()
+
+
+def test_prompt_lookup_drafts_on_while_it_copies_and_stops_where_it_only_guesses():
+    """A row whose last 3 tokens occurred before copies what followed them, to K=4; a row
+    with no match proposes filler and ends at K=2; copies the target keeps rejecting end at 2."""
+    copying = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2, 3]
+    stopper = DraftStopper()
+    assert lookup_round(stopper, copying) == [4, 5, 6, 7]
+    assert lookup_round(stopper, [10, 11, 12, 13]) == [13, 13]
+    for _ in range(20):
+        lookup_round(stopper, copying)
+        stopper.observe([0])
+    assert lookup_round(stopper, copying) == [4, 5]
 
 
 @pytest.mark.parametrize("draft", ["same-model", "independent-model"])
