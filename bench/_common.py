@@ -99,32 +99,93 @@ def rounded(ratio: float | None) -> float | None:
     return None if ratio is None else round(ratio, 3)
 
 
+def engine_contender(engine, params):
+    """An engine as a benchmark contender: prompts -> (each row's tokens, its stats)."""
+
+    def run(prompts: list) -> tuple[list[list[int]], object]:
+        engine.reset_stats()
+        done = engine.generate(prompts, params)
+        return [c.token_ids for c in done], engine.stats
+
+    return run
+
+
+def hf_contender(model, tokenizer, encode, max_new_tokens: int, **kwargs):
+    """transformers' `generate` as a contender (no engine stats); `encode` makes prompt ids."""
+
+    def run(prompts: list) -> tuple[list[list[int]], None]:
+        ids = [encode(p) for p in prompts]
+        return hf_generate(model, tokenizer, ids, max_new_tokens, **kwargs), None
+
+    return run
+
+
+def summed_acceptance(stats: list) -> dict:
+    """vLLM's acceptance figures over several calls' engine stats, and their steps by K."""
+    accepted = sum(s.accepted for s in stats)
+    proposed = sum(s.proposed for s in stats)
+    rounds = sum(s.rounds for s in stats)
+    steps: dict[int, int] = {}
+    for s in stats:
+        for k, count in s.steps_per_k.items():
+            steps[k] = steps.get(k, 0) + count
+    return {
+        "acceptance_rate": rounded(accepted / proposed if proposed else None),
+        "mean_accepted_length": rounded(1 + accepted / rounds if rounds else None),
+        "steps_per_k": dict(sorted(steps.items())),
+    }
+
+
 @dataclass
 class EngineTimings:
-    """What the speculative benchmarks record per `set/bBATCH/engine` key, over repetitions."""
+    """What the speculative benchmarks record per `set/bBATCH/contender` key, over repetitions.
 
-    rates: dict[str, list[float]] = field(default_factory=dict)  # tokens/s per repetition
-    acceptance: dict[str, dict] = field(default_factory=dict)
-    outputs: dict[str, list] = field(default_factory=dict)  # per set/batch: tokens per engine
+    A contender maps a list of prompts to (each row's tokens, engine stats or None). At batch 1
+    the first `solo_prompts` prompts run one at a time, each by every contender before the next
+    prompt: a repetition records tokens/s over all of them and each prompt's own rate, so
+    ratios can be read per prompt, not from one prompt that may happen to suit one side.
+    """
 
-    def time_engines(self, engines: dict, set_name: str, prompts: list, batches, params) -> None:
-        """One repetition: every engine once on each batch size, side by side."""
+    rates: dict[str, list[float]] = field(default_factory=dict)  # per repetition, all calls
+    prompt_rates: dict[str, list[list[float]]] = field(default_factory=dict)  # each call's
+    tokens: dict[str, list[list]] = field(default_factory=dict)  # per repetition, each call's
+    acceptance: dict[str, dict] = field(default_factory=dict)  # last repetition, summed
+    engine_keys: set[str] = field(default_factory=set)
+
+    def time_contenders(
+        self, contenders: dict, set_name: str, prompts: list, batches, solo_prompts: int = 1
+    ) -> None:
+        """One repetition: every contender on each call, side by side."""
         for b in batches:
-            batch = prompts[:b]
-            for name, engine in engines.items():
-                engine.reset_stats()
-                seconds, done = timed(lambda e=engine, p=batch: e.generate(p, params))
-                key = f"{set_name}/b{b}/{name}"
-                self.rates.setdefault(key, []).append(sum(len(c.token_ids) for c in done) / seconds)
-                stats = engine.stats
-                self.acceptance[key] = {
-                    "acceptance_rate": rounded(stats.acceptance_rate),
-                    "mean_accepted_length": rounded(stats.mean_accepted_length),
-                    "steps_per_k": stats.steps_per_k,
-                }
-                self.outputs.setdefault(f"{set_name}/b{b}", []).append(
-                    [c.token_ids for c in done]
-                )
+            calls = [[p] for p in prompts[:solo_prompts]] if b == 1 else [prompts[:b]]
+            runs: dict[str, list] = {name: [] for name in contenders}
+            for call in calls:
+                for name, contender in contenders.items():
+                    seconds, (rows, stats) = timed(lambda c=contender, p=call: c(p))
+                    runs[name].append((seconds, rows, stats))
+            for name, results in runs.items():
+                self._record(f"{set_name}/b{b}/{name}", results)
+
+    def _record(self, key: str, results: list) -> None:
+        seconds = [s for s, _, _ in results]
+        counts = [sum(len(row) for row in rows) for _, rows, _ in results]
+        self.rates.setdefault(key, []).append(sum(counts) / sum(seconds))
+        self.prompt_rates.setdefault(key, []).append(
+            [n / s for n, s in zip(counts, seconds, strict=True)]
+        )
+        self.tokens.setdefault(key, []).append([rows for _, rows, _ in results])
+        stats = [s for _, _, s in results if s is not None]
+        if stats:
+            self.engine_keys.add(key)
+            self.acceptance[key] = summed_acceptance(stats)
+
+    def same_tokens(self, key: str, other: str) -> list[bool]:
+        """Per call: whether `key` gave `other`'s tokens in every repetition."""
+        return [
+            all(mine[i] == theirs[i] for mine, theirs in zip(
+                self.tokens[key], self.tokens[other], strict=True))
+            for i in range(len(self.tokens[key][0]))
+        ]
 
     def outputs_identical(self) -> bool:
         """Greedy: every engine config produced the same tokens."""
@@ -132,7 +193,10 @@ class EngineTimings:
 
     def outputs_differing(self) -> list[str]:
         """The set/batch keys where some engine config's tokens differ from the others'."""
-        return [key for key, runs in self.outputs.items() if any(run != runs[0] for run in runs)]
+        runs: dict[str, list] = {}
+        for key in sorted(self.engine_keys):
+            runs.setdefault(key.rsplit("/", 1)[0], []).extend(self.tokens[key])
+        return [key for key, tokens in runs.items() if any(t != tokens[0] for t in tokens)]
 
 
 def copy_bandwidth_bytes_per_second(megabytes: int = 256, repeats: int = 5) -> float:

@@ -2,10 +2,11 @@
 
 One process, one thread, greedy, the same prompts for every contender, interleaved repetitions,
 medians. Engine: plain target; + 0.5B draft (bf16, and its linears int8) at K fixed and auto;
-+ prompt lookup. transformers
-at batch 1 (its assisted generation refuses batch > 1): plain `generate`, assisted with the same
-0.5B (`assistant_model`), prompt lookup. Code prompts (copy-heavy: refactor / complete this
-code) and free text, batch 1 and 8. Prints JSON; commit it under bench/results/.
++ prompt lookup. transformers at batch 1 (its assisted generation refuses batch > 1): plain
+`generate`, assisted with the same 0.5B (`assistant_model`), prompt lookup. Code prompts
+(copy-heavy: refactor / complete this code) and free text, batch 1 and 8. Batch 1 runs each of
+a set's 8 prompts alone, every contender on a prompt before the next, and reports per-prompt
+ratios beside the set's tokens/s. Prints JSON; commit it under bench/results/.
 Usage: python bench/qwen_pair.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
 """
 
@@ -18,7 +19,7 @@ import json
 import statistics
 
 import torch
-from _common import EngineTimings, hf_generate, hf_rate, timed
+from _common import EngineTimings, engine_contender, hf_contender, hf_generate
 
 from generation import Engine
 from generation.engine import DTYPES, load_model
@@ -143,6 +144,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--solo-prompts", type=int, default=8,
+                        help="batch 1 runs this many of each set's prompts, one at a time")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
     parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=DEFAULT_ENGINES)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
@@ -153,56 +156,98 @@ def main() -> None:
     names = ["plain", *(name for name in args.engines if name != "plain")]
     grid = GRID.model_copy(update={"draft_lengths": args.draft_lengths})
     engines = build_engines(args.dtype, args.threads, names, grid)
+    contenders = {name: engine_contender(engine, params) for name, engine in engines.items()}
     baselines = {}
     if not args.no_hf and 1 in args.batches:  # transformers' assisted generation is batch 1
-        hf_target, hf_draft, tokenizer = hf_models(DTYPES[args.dtype])
-        baselines = {"hf_plain": {}, "hf_assisted_0.5b": {"assistant_model": hf_draft},
-                     "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4}}
+        baselines = hf_baselines(DTYPES[args.dtype], engines["plain"].encode, args.max_new_tokens)
 
     timings = EngineTimings()
-    rates = timings.rates
-    hf_same_as_plain: dict[str, list[bool]] = {}  # transformers' tokens == our plain engine's
     for _ in range(args.repeats):
         for set_name, prompts in PROMPT_SETS.items():
-            timings.time_engines(engines, set_name, prompts, args.batches, params)
-            ids = [engines["plain"].encode(prompts[0])]
-            plain_tokens = timings.outputs[f"{set_name}/b1"][-len(engines)]  # this repetition's
-            for name, kwargs in baselines.items():
-                seconds, rows = timed(lambda k=kwargs, i=ids: hf_generate(
-                    hf_target, tokenizer, i, args.max_new_tokens, **k))
-                key = f"{set_name}/b1/{name}"
-                rates.setdefault(key, []).append(hf_rate(seconds, rows))
-                hf_same_as_plain.setdefault(key, []).append(rows == plain_tokens)
+            for b in args.batches:
+                side_by_side = contenders | (baselines if b == 1 else {})
+                timings.time_contenders(side_by_side, set_name, prompts, [b], args.solo_prompts)
 
-    tps = {key: round(statistics.median(values), 3) for key, values in rates.items()}
+    tps = {key: round(statistics.median(values), 3) for key, values in timings.rates.items()}
+    hf_same_as_plain = {  # per batch-1 prompt: transformers' tokens == our plain engine's
+        key: timings.same_tokens(key, f"{key.rsplit('/', 1)[0]}/plain")
+        for key in timings.rates if key.rsplit("/", 1)[1] in baselines
+    }
     print(json.dumps({
         "target": TARGET.path, "draft": DRAFT.path, "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens, "draft_lengths": grid.draft_lengths,
         "repeats": args.repeats, "torch_threads": args.threads,
+        "batch_1_prompts_per_set": args.solo_prompts,
         "all_engine_outputs_identical_to_plain": timings.outputs_identical(),
         "outputs_differing_in": timings.outputs_differing(),
         "transformers_tokens_equal_to_plain_engine": hf_same_as_plain,
-        "tokens_per_second": tps, "ratios": ratios_between(tps), "acceptance": timings.acceptance,
+        "tokens_per_second": tps, "ratios": ratios_between(tps),
+        "batch_1_per_prompt": per_prompt_ratios(timings),
+        "acceptance": timings.acceptance,
         "targets": {"code/b1 draft vs plain": ">= 1.8", "free_text/b1 draft vs plain": ">= 1.3",
                     "b1 draft vs hf assisted": ">= 1.3", "b8 vs plain": ">= 1.0",
                     "prompt lookup vs hf prompt lookup (code)": ">= 1.0"},
     }, indent=2))
 
 
+def hf_baselines(dtype: torch.dtype, encode, max_new_tokens: int) -> dict:
+    """transformers at batch 1 over the same weights: plain, assisted by the 0.5B, prompt
+    lookup; each warmed up once, so no contender pays a first call's one-off costs."""
+    target, draft, tokenizer = hf_models(dtype)
+    options = {"hf_plain": {}, "hf_assisted_0.5b": {"assistant_model": draft},
+               "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4}}
+    for kwargs in options.values():
+        hf_generate(target, tokenizer, [encode(FREE_TEXT[0])], 8, **kwargs)
+    return {name: hf_contender(target, tokenizer, encode, max_new_tokens, **kwargs)
+            for name, kwargs in options.items()}
+
+
+PAIRS = [("draft_0.5b_auto", "hf_assisted_0.5b"), ("draft_0.5b_int8_auto", "hf_assisted_0.5b"),
+         ("prompt_lookup_auto", "hf_prompt_lookup"), ("hf_assisted_0.5b", "hf_plain"),
+         ("int8_target_draft_0.5b_int8_auto", "int8_target_plain")]
+
+
 def ratios_between(tps: dict[str, float]) -> dict[str, float]:
     """Each contender vs plain at its set and batch; ours vs transformers' at batch 1."""
     ratios = {}
-    pairs = [("draft_0.5b_auto", "hf_assisted_0.5b"), ("draft_0.5b_int8_auto", "hf_assisted_0.5b"),
-             ("prompt_lookup_auto", "hf_prompt_lookup"), ("hf_assisted_0.5b", "hf_plain"),
-             ("int8_target_draft_0.5b_int8_auto", "int8_target_plain")]
     for key, value in tps.items():
         prefix, name = key.rsplit("/", 1)
         if name != "plain" and not name.startswith("hf_") and f"{prefix}/plain" in tps:
             ratios[f"{key}_vs_plain"] = round(value / tps[f"{prefix}/plain"], 3)
-        for ours, theirs in pairs:
+        for ours, theirs in PAIRS:
             if name == ours and f"{prefix}/{theirs}" in tps:
                 ratios[f"{key}_vs_{theirs}"] = round(value / tps[f"{prefix}/{theirs}"], 3)
     return ratios
+
+
+
+def per_prompt_ratios(timings: EngineTimings) -> dict:
+    """Batch 1, prompt by prompt: each pair's ratio (median over repetitions), their median, and
+    vs transformers the median over only the prompts where both decoded the same tokens (in
+    bf16 a near tie can flip either way, and a different continuation is a different task)."""
+    out = {}
+    for key in timings.prompt_rates:
+        prefix, name = key.rsplit("/", 1)
+        if not prefix.endswith("/b1"):
+            continue
+        others = ([] if name == "plain" or name.startswith("hf_") else ["plain"]) + [
+            theirs for ours, theirs in PAIRS if ours == name]
+        for other in others:
+            if f"{prefix}/{other}" not in timings.prompt_rates:
+                continue
+            mine, theirs = timings.prompt_rates[key], timings.prompt_rates[f"{prefix}/{other}"]
+            ratios = [
+                round(statistics.median(m[i] / t[i] for m, t in zip(mine, theirs, strict=True)), 3)
+                for i in range(len(mine[0]))
+            ]
+            entry = {"each": ratios, "median": round(statistics.median(ratios), 3)}
+            if other.startswith("hf_"):
+                same = timings.same_tokens(key, f"{prefix}/{other}")
+                alike = [r for r, s in zip(ratios, same, strict=True) if s]
+                entry["same_tokens"] = same
+                entry["median_same_tokens"] = round(statistics.median(alike), 3) if alike else None
+            out[f"{key}_vs_{other}"] = entry
+    return out
 
 
 if __name__ == "__main__":

@@ -19,10 +19,9 @@ from _common import (
     PROMPT_SETS,
     SMOLLM2,
     EngineTimings,
-    hf_generate,
-    hf_rate,
+    engine_contender,
+    hf_contender,
     load_hf_smollm2,
-    timed,
 )
 
 from generation import Engine
@@ -39,8 +38,6 @@ ENGINES = {
     "bf16_auto": dict(draft=DraftSpec(kind="quantized", dtype="bfloat16")),
     "prompt_lookup_auto": dict(draft=DraftSpec(kind="prompt_lookup", ngram_max=3)),
 }
-
-
 
 
 def main() -> None:
@@ -61,25 +58,23 @@ def main() -> None:
         engines[name].warmup()
     hf_model, tokenizer = load_hf_smollm2()
     hf_draft = int8_linears(copy.deepcopy(hf_model))
+    encode = engines["plain"].encode
     baselines = {
-        "hf_plain": {},
-        "hf_assisted_int8": {"assistant_model": hf_draft},
-        "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4},
+        name: hf_contender(hf_model, tokenizer, encode, args.max_new_tokens, **kwargs)
+        for name, kwargs in {
+            "hf_plain": {},
+            "hf_assisted_int8": {"assistant_model": hf_draft},
+            "hf_prompt_lookup": {"prompt_lookup_num_tokens": 4},
+        }.items()
     }
+    contenders = {name: engine_contender(engine, params) for name, engine in engines.items()}
 
     timings = EngineTimings()
     rates = timings.rates
     for _ in range(args.repeats):
         for set_name, prompts in PROMPT_SETS.items():
-            timings.time_engines(engines, set_name, prompts, (1, 8), params)
-            ids = [engines["plain"].encode(prompts[0])]
-            for name, kwargs in baselines.items():
-                seconds, rows = timed(
-                    lambda k=kwargs, i=ids: hf_generate(
-                        hf_model, tokenizer, i, args.max_new_tokens, **k
-                    )
-                )
-                rates.setdefault(f"{set_name}/b1/{name}", []).append(hf_rate(seconds, rows))
+            timings.time_contenders(contenders | baselines, set_name, prompts, [1])
+            timings.time_contenders(contenders, set_name, prompts, [8])
 
     tps = {key: round(statistics.median(values), 2) for key, values in rates.items()}
     ratios = {}
