@@ -211,10 +211,16 @@ def copy_bandwidth_bytes_per_second(megabytes: int = 256, repeats: int = 5) -> f
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of distinct parameters: what one decoding forward reads (tied weights once)."""
+    """Bytes of distinct weights: what one decoding forward reads (tied weights once, and the
+    oneDNN-packed copies of bf16 linears, whose originals are gone)."""
+    from generation.packing import PackedLinear
+
     seen, total = set(), 0
     for param in model.parameters():
         if param.data_ptr() not in seen:
             seen.add(param.data_ptr())
             total += param.numel() * param.element_size()
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            total += module.packed.numel() * module.packed.element_size()
     return total

@@ -14,6 +14,7 @@ import torch
 from generation import device as devices
 from generation.graphs import GraphedForward, graph_capture
 from generation.model import CausalLM, KVCache
+from generation.packing import pack_linears, packing_applies
 from generation.quantize import prefilling
 from schemas import BucketGrid
 from schemas.engine import CATCH_UP_WIDTHS
@@ -63,6 +64,8 @@ class ModelRunner:
         self.computed_slots = 0
         self.useful_slots = 0
         self.compiles = 0
+        if packing_applies(device, dtype) and not compile_model:  # inductor packs its own
+            pack_linears(model)
         self._forward = model.forward
         if compile_model and device.type in ("cpu", "cuda"):
             _raise_recompile_limit(grid)

@@ -1,0 +1,64 @@
+"""bf16 linears prepacked for oneDNN on CPU: the same numbers as F.linear, bit for bit, so
+packing moves speed and never a token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_helpers import engine_for, varied_prompts
+
+from generation import runner as runner_module
+from generation.packing import PackedLinear, packing_applies
+from schemas import DraftSpec, ModelSpec, SamplingParams
+
+pytestmark = pytest.mark.skipif(
+    not packing_applies(torch.device("cpu"), torch.bfloat16), reason="no oneDNN in this torch"
+)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_a_packed_linear_is_bitwise_the_bf16_linear(bias):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160, bias=bias).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    for shape in [(1, 1), (1, 5), (8, 1), (8, 9), (2, 64)]:
+        x = torch.randn(*shape, 96, dtype=torch.bfloat16)
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+def linear_kinds(engine) -> set[str]:
+    return {
+        type(module).__name__
+        for runner in engine._runners
+        for module in runner.model.modules()
+        if isinstance(module, torch.nn.Linear | PackedLinear)
+    }
+
+
+def test_a_bf16_engine_packs_its_linears_and_keeps_its_tokens(
+    tiny_llama_dir, tiny_llama_other_dir, monkeypatch
+):
+    def engine():
+        bf16 = ModelSpec(path=str(tiny_llama_dir), dtype="bfloat16")
+        draft = DraftSpec(
+            kind="model", model=ModelSpec(path=str(tiny_llama_other_dir), dtype="bfloat16")
+        )
+        return engine_for(tiny_llama_dir, target=bf16, draft=draft)
+
+    prompts, params = varied_prompts(6), SamplingParams(max_new_tokens=16)
+    packed = engine()
+    assert linear_kinds(packed) == {"PackedLinear"}
+    monkeypatch.setattr(runner_module, "packing_applies", lambda device, dtype: False)
+    unpacked = engine()
+    assert linear_kinds(unpacked) == {"Linear"}
+    assert [c.token_ids for c in packed.generate(prompts, params)] == [
+        c.token_ids for c in unpacked.generate(prompts, params)
+    ]
+    assert packed.stats.rounds > 0
+
+
+def test_fp32_and_compiled_runners_keep_plain_linears(tiny_llama_dir):
+    assert linear_kinds(engine_for(tiny_llama_dir)) == {"Linear"}
+    bf16 = ModelSpec(path=str(tiny_llama_dir), dtype="bfloat16")
+    assert linear_kinds(engine_for(tiny_llama_dir, target=bf16, compile=True)) == {"Linear"}
