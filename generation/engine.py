@@ -24,7 +24,7 @@ from generation.model import CausalLM, DecoderConfig
 from generation.proposers import CATCH_UP_WIDTHS, ModelProposer, PromptLookupProposer
 from generation.quantize import ExactInt8Linear, int8_weights, quantized_copy
 from generation.rejection import verify
-from generation.runner import ModelRunner, bucket
+from generation.runner import WARM_CALLS, ModelRunner, bucket
 from generation.sampling import RowRandom, choose, step_draws
 from generation.types import Completion
 from schemas import EngineConfig, ModelSpec, SamplingParams
@@ -259,7 +259,8 @@ class Engine:
         }
 
     def warmup(self) -> None:
-        """Run every grid shape: prefills once, decodes twice (steady timings choose K)."""
+        """Run every grid shape: prefills once, decodes WARM_CALLS times (their timings price
+        each K until it runs)."""
         grid = self.grid
         verify_lengths = [k + 1 for k in grid.draft_lengths] if self.proposer else []
         runners = [(self.target, [1, *verify_lengths], False)]
@@ -272,7 +273,7 @@ class Engine:
                     runner.prefill([[0] * t] * b, list(range(b)))
                 # A draft reads one logit per row: warm that shape, or compile meets it later.
                 last = torch.zeros(b, 1, dtype=torch.long) if last_logit_only else None
-                for t, s, _ in itertools.product(lengths, grid.cache_lengths, range(2)):
+                for t, s, _ in itertools.product(lengths, grid.cache_lengths, range(WARM_CALLS)):
                     tokens, starts = torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t)
                     runner.decode(tokens, starts, b, logit_index=last)
             runner.warm_seconds = dict(runner.recent_seconds)

@@ -5,9 +5,9 @@ checkable fact, not a hope.
 
 from __future__ import annotations
 
-import time
 from bisect import bisect_left
 from collections import Counter
+from time import perf_counter
 
 import torch
 
@@ -18,6 +18,8 @@ from generation.packing import pack_linears, packing_applies
 from generation.quantize import prefilling
 from schemas import BucketGrid
 from schemas.engine import CATCH_UP_WIDTHS
+
+WARM_CALLS = 3  # decode calls per shape in warm-up, the first one's set-up included
 
 
 def bucket(sizes: list[int], needed: int) -> int:
@@ -93,15 +95,18 @@ class ModelRunner:
         return sum(self.shapes.values())
 
     def _run(self, key: tuple, useful: int, **inputs) -> torch.Tensor:
-        started = time.perf_counter()
+        started = perf_counter()
         with torch.inference_mode():
             logits = self._forward(cache=self.cache, **inputs)
         devices.mark_step(self.device)
         devices.synchronize(self.device)
-        elapsed = time.perf_counter() - started
+        elapsed = perf_counter() - started
         self.busy_seconds += elapsed
-        if self.shapes[key] < 2:  # the first call pays one-time set-up: the second replaces it
+        if self.shapes[key] == 0:
             self.recent_seconds[key] = elapsed
+        elif self.shapes[key] < WARM_CALLS:  # the first call pays one-time set-up, and a
+            # busy neighbour only adds time: the fastest warm call prices a shape until use
+            self.recent_seconds[key] = min(self.recent_seconds[key], elapsed)
         else:  # a moving average, so a reading taken while the host was busy fades out
             self.recent_seconds[key] += 0.25 * (elapsed - self.recent_seconds[key])
         self.shapes[key] += 1

@@ -4,9 +4,11 @@ under continuous batching, seeded sampling independent of batch composition, sta
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import SMALL_GRID, engine_for, hf_greedy, varied_prompts
 
 from generation import Engine
+from generation import runner as runner_module
 from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams
 
 
@@ -160,3 +162,20 @@ def test_every_grid_shape_is_compiled_past_dynamos_default_limit(tiny_llama_dir,
     for runner in (engine.target, engine.proposer.runner):
         assert len(runner.shapes) > 8
         assert runner.compiles == len(runner.shapes)
+
+
+def test_a_shape_is_priced_by_its_fastest_warm_call_then_by_a_moving_average(
+    tiny_llama_dir, monkeypatch
+):
+    """A one-off slow warm-up call (set-up, a busy neighbour) must not price a verify width
+    that then seldom runs: the fastest of the first WARM_CALLS calls does, use refines it."""
+    runner = engine_for(tiny_llama_dir).target
+    clock = iter([0, 5, 10, 11, 20, 23, 30, 32])  # calls taking 5, 1, 3 and 2 seconds
+    monkeypatch.setattr(runner_module, "perf_counter", lambda: next(clock))
+    tokens, starts = torch.zeros(1, 3, dtype=torch.long), torch.tensor([4])
+    prices = []
+    for _ in range(4):
+        runner.decode(tokens, starts, 1)
+        prices.append(runner.recent_seconds_for(1, 3))
+    assert runner_module.WARM_CALLS == 3
+    assert prices == [5, 1, 1, 1.25]
