@@ -184,6 +184,7 @@ def main() -> None:
         "tokens_per_second": tps, "ratios": ratios_between(tps),
         "batch_1_per_prompt": per_prompt_ratios(timings),
         "acceptance": timings.acceptance,
+        "decode_step_ms": decode_step_ms(engines),
         "targets": {"code/b1 draft vs plain": ">= 1.8", "free_text/b1 draft vs plain": ">= 1.3",
                     "b1 draft vs hf assisted": ">= 1.3", "b8 vs plain": ">= 1.0",
                     "prompt lookup vs hf prompt lookup (code)": ">= 1.0"},
@@ -219,6 +220,23 @@ def ratios_between(tps: dict[str, float]) -> dict[str, float]:
                 ratios[f"{key}_vs_{theirs}"] = round(value / tps[f"{prefix}/{theirs}"], 3)
     return ratios
 
+
+def decode_step_ms(engines: dict[str, Engine]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each engine's decode forwards per model and [batch, tokens] shape, in ms, as its runners
+    priced them at the end of the run (the fastest warm-up call, then a moving average over
+    the calls made)."""
+    out = {}
+    for name, engine in engines.items():
+        runners = {"target": engine.target}
+        if isinstance(engine.proposer, ModelProposer):
+            runners["draft"] = engine.proposer.runner
+        out[name] = {
+            model: {f"[{b}, {t}]": round(1000 * seconds, 1)
+                    for (kind, b, t, _), seconds in sorted(runner.recent_seconds.items())
+                    if kind == "decode"}
+            for model, runner in runners.items()
+        }
+    return out
 
 
 def per_prompt_ratios(timings: EngineTimings) -> dict:
