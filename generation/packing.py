@@ -10,6 +10,8 @@ differently (~1e-4) from the float reference the tests hold the models to.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -23,6 +25,23 @@ def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+# oneDNN's bf16 product below 4 rows is its slow path (1 thread, Qwen 1.5B shapes, ms at 1 / 4
+# rows: 1536x17920 3.8 / 3.3, the 151,936-row LM head 26.5 / 21.1): a decode step at batch 1
+# computes 4 rows and keeps 1.
+PACKED_MIN_ROWS = 4
+
+
+def with_rows_at_least(
+    minimum: int, rows: torch.Tensor, product: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor:
+    """product(rows), with zero rows appended up to `minimum` and dropped from the result: for
+    kernels that refuse, or run slower at, few rows. Each row is computed on its own."""
+    needed = minimum - rows.shape[0]
+    if needed <= 0:
+        return product(rows)
+    return product(torch.cat([rows, rows.new_zeros(needed, rows.shape[1])]))[: rows.shape[0]]
+
+
 class PackedLinear(nn.Module):
     """An nn.Linear whose weight lives in oneDNN's layout (an opaque tensor: no deepcopy, no
     state_dict; pack after every copy of the model is made)."""
@@ -34,9 +53,11 @@ class PackedLinear(nn.Module):
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, self.in_features)
-        out = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        out = with_rows_at_least(PACKED_MIN_ROWS, x.reshape(-1, self.in_features), self._product)
         return out.reshape(*x.shape[:-1], self.out_features)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from generation.model import CausalLM
+from generation.packing import with_rows_at_least
 
 
 def _fbgemm_available() -> bool:
@@ -119,12 +120,9 @@ INT_MM_MIN_ROWS = {"cuda": 17}  # CUDA's torch._int_mm refuses 16 rows or fewer
 
 def _int_mm(rows: torch.Tensor, weight_t: torch.Tensor) -> torch.Tensor:
     """torch._int_mm, with zero rows appended where the device's kernel needs more rows (a
-    decode step has 1-8 on CUDA). Rows are summed independently, so padding changes none."""
-    needed = INT_MM_MIN_ROWS.get(rows.device.type, 0) - rows.shape[0]
-    if needed <= 0:
-        return torch._int_mm(rows, weight_t)
-    padded = torch.cat([rows, rows.new_zeros(needed, rows.shape[1])])
-    return torch._int_mm(padded, weight_t)[: rows.shape[0]]
+    decode step has 1-8 on CUDA)."""
+    minimum = INT_MM_MIN_ROWS.get(rows.device.type, 0)
+    return with_rows_at_least(minimum, rows, lambda padded: torch._int_mm(padded, weight_t))
 
 
 def quantized_copy(model: CausalLM, dtype: str) -> CausalLM:

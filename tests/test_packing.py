@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from engine_helpers import engine_for, varied_prompts
 
 from generation import runner as runner_module
-from generation.packing import PackedLinear, packing_applies
+from generation.packing import PACKED_MIN_ROWS, PackedLinear, packing_applies
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -25,6 +25,20 @@ def test_a_packed_linear_is_bitwise_the_bf16_linear(bias):
     for shape in [(1, 1), (1, 5), (8, 1), (8, 9), (2, 64)]:
         x = torch.randn(*shape, 96, dtype=torch.bfloat16)
         assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+
+
+def test_a_packed_linear_computes_few_rows_at_its_fast_row_count():
+    """oneDNN's product is slower at 1-3 rows than at 4; a decode step's one row is padded to
+    PACKED_MIN_ROWS and only its own row is returned, the same numbers as unpadded."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(96, 160).to(torch.bfloat16)
+    packed = PackedLinear(linear)
+    product, seen_rows = packed._product, []
+    packed._product = lambda rows: (seen_rows.append(rows.shape[0]), product(rows))[1]
+    for rows in (1, 3, 4, 9):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        assert torch.equal(packed(x), F.linear(x, linear.weight, linear.bias))
+    assert seen_rows == [PACKED_MIN_ROWS, PACKED_MIN_ROWS, 4, 9]
 
 
 def linear_kinds(engine) -> set[str]:
