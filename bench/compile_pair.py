@@ -1,8 +1,9 @@
 """Does `compile=True` pay on the Qwen pair? Forward time per static shape, compiled vs eager.
 
-One process, one thread, bf16; the compiled and eager runners share the weights and alternate
-call by call, so machine drift hits both; medians. Shapes: the [b, 1] step and the [b, 5]
-verify (K=4) at batch 1 and 8, for the 1.5B target and the 0.5B draft. Also the one-time cost:
+One process, one thread, bf16; the compiled and eager runners hold the same weights (the
+eager one oneDNN-packed, the compiled one a copy made before packing) and alternate call by
+call, so machine drift hits both; medians. Shapes: the [b, 1] step and the [b, 5] verify
+(K=4) at batch 1 and 8, for the 1.5B target and the 0.5B draft. Also the one-time cost:
 seconds to compile each shape. Prints JSON; commit it under bench/results/.
 Usage: python bench/compile_pair.py [--repeats 15]
 """
@@ -10,6 +11,7 @@ Usage: python bench/compile_pair.py [--repeats 15]
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import statistics
 import time
@@ -40,8 +42,9 @@ def main() -> None:
     result = {"dtype": "bfloat16", "torch_threads": 1, "repeats": args.repeats, "models": {}}
     for name, spec in (("target_1.5b", TARGET), ("draft_0.5b", DRAFT)):
         model = load_model(spec.model_copy(update={"dtype": "bfloat16"}), GRID.max_cache, cpu)
+        unpacked = copy.deepcopy(model.model)  # the eager runner packs its linears in place
         eager = ModelRunner(model.model, GRID, cpu, torch.bfloat16, False, False)
-        compiled = ModelRunner(model.model, GRID, cpu, torch.bfloat16, True, False)
+        compiled = ModelRunner(unpacked, GRID, cpu, torch.bfloat16, True, False)
         compile_seconds = {
             f"b{b}_t{t}": round(decode_seconds(compiled, b, t), 1) for b, t in SHAPES
         }
