@@ -171,8 +171,9 @@ class Engine:
                 draft_dtype = (
                     DTYPES[config.target.dtype] if weights == "int8" else torch.bfloat16
                 )
+            compile_draft = config.compile if draft_spec.compile is None else draft_spec.compile
             runner = ModelRunner(
-                draft_model, grid, device, draft_dtype, config.compile, config.hpu_graphs,
+                draft_model, grid, device, draft_dtype, compile_draft, config.hpu_graphs,
                 config.cuda_graphs,
             )
             proposer = ModelProposer(runner)

@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import copy
 import warnings
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -25,6 +26,22 @@ def _per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     """Symmetric int8 per output channel: (int8 weights, fp32 scales)."""
     scales = weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0
     return (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8), scales
+
+
+# fbgemm's packed weights are a TorchScript object, which torch.compile cannot put in a graph:
+# every Int8Linear split it (the 0.5B draft compiled into 25 graphs, no faster than eager).
+# Compiled code calls the kernel through this op instead, naming the weights by a handle.
+_PACKED_WEIGHTS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+@torch.library.custom_op("corpusgen::fbgemm_int8_linear", mutates_args=())
+def _fbgemm_int8_linear(rows: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return torch.ops.quantized.linear_dynamic(rows, _PACKED_WEIGHTS[handle], True)
+
+
+@_fbgemm_int8_linear.register_fake
+def _(rows: torch.Tensor, handle: int, out_features: int) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], out_features)
 
 
 DENSE_ROWS = 256  # more rows than this per call: a dense GEMM beats fbgemm's int8 kernel
@@ -59,11 +76,16 @@ class Int8Linear(nn.Module):
                 )
                 bias = None if self.bias is None else self.bias.detach().float()  # fbgemm: fp32
                 self.packed = torch.ops.quantized.linear_prepack(per_channel, bias)
+            self.handle = id(self.packed)
+            _PACKED_WEIGHTS[self.handle] = self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.device.type == "cpu" and x[..., 0].numel() <= DENSE_ROWS:
             flat = x.reshape(-1, x.shape[-1]).float()
-            out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
+            if torch.compiler.is_compiling():
+                out = _fbgemm_int8_linear(flat, self.handle, len(self.scales))
+            else:
+                out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
             return out.to(x.dtype).reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight.to(x.dtype) * self.scales[:, None].to(x.dtype), self.bias)
 

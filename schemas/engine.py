@@ -71,6 +71,12 @@ class DraftSpec(_Strict):
         description="int8: W8A8 dynamic on x86. kind=quantized: int8 (the default) or "
         "bfloat16; kind=model: int8, or None for draft.model.dtype as loaded",
     )
+    compile: bool | None = Field(
+        None,
+        description="torch.compile(dynamic=False) the draft's forwards; None: as "
+        "EngineConfig.compile. On CPU an int8 draft gains (Qwen2.5-Coder-0.5B step 37.9 -> "
+        "30.6 ms) while a oneDNN-packed bf16 target runs faster eager",
+    )
     ngram_max: int = Field(3, ge=1, le=8)
     ngram_min: int = Field(1, ge=1, le=8)
 
@@ -82,8 +88,11 @@ class DraftSpec(_Strict):
             raise ValueError(f"draft.model is only used with kind='model', not {self.kind!r}")
         if self.kind == "model" and self.dtype == "bfloat16":
             raise ValueError("a model draft's bf16 is draft.model.dtype: bfloat16, not draft.dtype")
-        if self.kind == "prompt_lookup" and self.dtype is not None:
-            raise ValueError("draft.dtype is for kind 'model' or 'quantized', not prompt_lookup")
+        for name in ("dtype", "compile"):  # prompt lookup has no weights and no forwards
+            if self.kind == "prompt_lookup" and getattr(self, name) is not None:
+                raise ValueError(
+                    f"draft.{name} is for kind 'model' or 'quantized', not prompt_lookup"
+                )
         if self.ngram_min > self.ngram_max:
             raise ValueError("draft.ngram_min must be <= draft.ngram_max")
         return self

@@ -127,7 +127,7 @@ def test_prices_file_prices_the_run_and_a_missing_one_is_a_config_error(tmp_path
         parse_run_config({**VALID, "pricing": missing})
 
 
-def test_draft_dtype_is_refused_where_it_means_nothing():
+def test_draft_dtype_and_compile_are_refused_where_they_mean_nothing():
     from schemas import DraftSpec, ModelSpec
 
     model = ModelSpec(path="packaged:qwen2.5-coder-0.5b-instruct")
@@ -137,3 +137,5 @@ def test_draft_dtype_is_refused_where_it_means_nothing():
         DraftSpec(kind="model", model=model, dtype="bfloat16")
     with pytest.raises(ValueError, match="not prompt_lookup"):
         DraftSpec(kind="prompt_lookup", dtype="int8")
+    with pytest.raises(ValueError, match=r"draft\.compile is for kind 'model' or 'quantized'"):
+        DraftSpec(kind="prompt_lookup", compile=True)

@@ -164,6 +164,25 @@ def test_every_grid_shape_is_compiled_past_dynamos_default_limit(tiny_llama_dir,
         assert runner.compiles == len(runner.shapes)
 
 
+def test_a_draft_compiles_alone_one_graph_per_shape(tiny_llama_dir, monkeypatch):
+    """draft.compile=True compiles the draft's forwards and leaves the target eager (on CPU a
+    packed bf16 target runs faster eager, an int8 draft compiled). One graph per shape: the
+    int8 linears do not split it. Inductor is swapped for the captured graph, as above."""
+    import torch._inductor.compile_fx
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", lambda gm, inputs: gm.forward)
+    draft = DraftSpec(kind="quantized", dtype="int8", compile=True)
+    engine = engine_for(tiny_llama_dir, draft=draft)
+    engine.warmup()
+    runner = engine.proposer.runner
+    assert engine.target.compiles == 0
+    assert runner.compiles == len(runner.shapes) > 0
+    prompts, params = ["the cat sat", "rain fell on"], SamplingParams(max_new_tokens=8)
+    assert [c.token_ids for c in engine.generate(prompts, params)] == [
+        c.token_ids for c in engine_for(tiny_llama_dir).generate(prompts, params)
+    ]
+
+
 def test_a_shape_is_priced_by_its_fastest_warm_call_then_by_a_moving_average(
     tiny_llama_dir, monkeypatch
 ):

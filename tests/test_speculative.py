@@ -264,6 +264,21 @@ def test_int8_linear_with_bias_follows_a_bf16_linear(rows):
     assert error < 0.03
 
 
+@pytest.mark.slow
+def test_compiled_int8_linears_stay_in_one_graph_and_equal_eager():
+    """fbgemm's packed weights are a TorchScript object that dynamo cannot trace: without the
+    handle op, each Int8Linear splits the graph and compiling an int8 draft gains nothing."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(
+        Int8Linear(torch.nn.Linear(64, 128)), torch.nn.SiLU(), Int8Linear(torch.nn.Linear(128, 32))
+    )
+    x = torch.randn(3, 64)
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(layers)(x)
+        assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+        assert torch.equal(torch.compile(layers)(x), layers(x))
+
+
 def test_exact_int8_linear_is_row_invariant_and_close():
     """A row's output is bitwise the same alone or among 8 neighbours (decode), and both the
     integer product and the prefill's dense product track the float linear."""
