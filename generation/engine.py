@@ -270,7 +270,11 @@ class Engine:
             runners.append((self._draft_runner, sorted({1, *widths}), True))
         for runner, lengths, last_logit_only in runners:
             for b in grid.batch_sizes:
-                for t in grid.prompt_lengths:
+                # A prefill runs once in use per prompt, so one warm call prices it; where
+                # that call built a graph, a second one prices the shape without the build
+                # (else a compiled draft's prefill looks like seconds and never pays back).
+                prefill_calls = 2 if runner.first_call_builds else 1
+                for t, _ in itertools.product(grid.prompt_lengths, range(prefill_calls)):
                     runner.prefill([[0] * t] * b, list(range(b)))
                 # A draft reads one logit per row: warm that shape, or compile meets it later.
                 last = torch.zeros(b, 1, dtype=torch.long) if last_logit_only else None

@@ -69,14 +69,18 @@ class ModelRunner:
         if packing_applies(device, dtype) and not compile_model:  # inductor packs its own
             pack_linears(model)
         self._forward = model.forward
-        if compile_model and device.type in ("cpu", "cuda"):
+        compiles = compile_model and device.type in ("cpu", "cuda")
+        hpu_graphed = hpu_graphs and device.type == "hpu"
+        capture = graph_capture(device) if cuda_graphs else None
+        # A shape's first call compiles or captures a graph: seconds no later call pays.
+        self.first_call_builds = bool(compiles or hpu_graphed or capture)
+        if compiles:
             _raise_recompile_limit(grid)
             self._forward = torch.compile(
                 model.forward, dynamic=False, backend=self._counting_backend
             )
-        elif hpu_graphs and device.type == "hpu":
+        elif hpu_graphed:
             self._forward = devices.wrap_in_hpu_graph(model).forward
-        capture = graph_capture(device) if cuda_graphs else None
         if capture:  # over the compiled forward too: inductor's kernels are capturable
             self._forward = GraphedForward(self._forward, capture)
 

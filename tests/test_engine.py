@@ -3,9 +3,11 @@ under continuous batching, seeded sampling independent of batch composition, sta
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
-from engine_helpers import SMALL_GRID, engine_for, hf_greedy, varied_prompts
+from engine_helpers import SENTENCE, SMALL_GRID, engine_for, hf_greedy, varied_prompts
 
 from generation import Engine
 from generation import runner as runner_module
@@ -181,6 +183,27 @@ def test_a_draft_compiles_alone_one_graph_per_shape(tiny_llama_dir, monkeypatch)
     assert [c.token_ids for c in engine.generate(prompts, params)] == [
         c.token_ids for c in engine_for(tiny_llama_dir).generate(prompts, params)
     ]
+
+
+@pytest.mark.slow
+def test_a_compiled_draft_is_priced_without_its_compile_and_speculates(
+    tiny_llama_dir, monkeypatch
+):
+    """Each shape's first call compiles (here: a 0.3 s stand-in for inductor's tens of
+    seconds). A prefill runs once per prompt, so were that call its price, the draft's
+    prefill would look like a compile and K auto would never leave plain decoding."""
+    import torch._inductor.compile_fx
+
+    def slow_compile(graph_module, example_inputs):
+        time.sleep(0.3)
+        return graph_module.forward
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", slow_compile)
+    engine = engine_for(tiny_llama_dir, draft=DraftSpec(kind="quantized", compile=True))
+    engine.warmup()
+    assert engine.proposer.runner.recent_prefill_seconds(1, 16) < 0.3
+    engine.generate([SENTENCE], SamplingParams(max_new_tokens=48))
+    assert sum(steps for k, steps in engine.stats.steps_per_k.items() if k) > 0
 
 
 def test_a_shape_is_priced_by_its_fastest_warm_call_then_by_a_moving_average(
