@@ -121,7 +121,8 @@ def hf_contender(model, tokenizer, encode, max_new_tokens: int, **kwargs):
 
 
 def summed_acceptance(stats: list) -> dict:
-    """vLLM's acceptance figures over several calls' engine stats, and their steps by K."""
+    """vLLM's acceptance figures over several calls' engine stats, their steps by K, and where
+    their time went (prefill, plain steps, drafting, verifying)."""
     accepted = sum(s.accepted for s in stats)
     proposed = sum(s.proposed for s in stats)
     rounds = sum(s.rounds for s in stats)
@@ -133,6 +134,10 @@ def summed_acceptance(stats: list) -> dict:
         "acceptance_rate": rounded(accepted / proposed if proposed else None),
         "mean_accepted_length": rounded(1 + accepted / rounds if rounds else None),
         "steps_per_k": dict(sorted(steps.items())),
+        "seconds": {
+            phase: rounded(sum(getattr(s, f"{phase}_seconds") for s in stats))
+            for phase in ("wall", "prefill", "decode", "draft", "verify")
+        },
     }
 
 

@@ -33,7 +33,9 @@ TARGET = ModelSpec(path="packaged:qwen2.5-coder-1.5b-instruct")
 DRAFT = ModelSpec(path="packaged:qwen2.5-coder-0.5b-instruct")
 GRID = BucketGrid(
     batch_sizes=[1, 8],
-    prompt_lengths=[64, 128, 256],
+    # Power-of-two buckets with midpoints: a prefill is compute-bound here, and every padded
+    # token costs plain and speculating engines alike (code prompts are 73-88 tokens).
+    prompt_lengths=[32, 48, 64, 96, 128, 192, 256],
     cache_lengths=[384],
     draft_lengths=[2, 3, 4, 5, 6, 8],  # fine steps: where a round's drafting may stop
 )
@@ -75,6 +77,10 @@ ENGINES = {
     "draft_0.5b_auto": dict(draft=DraftSpec(kind="model", model=DRAFT)),
     "draft_0.5b_k4": dict(draft=DraftSpec(kind="model", model=DRAFT), num_draft_tokens=4),
     "draft_0.5b_int8_auto": dict(draft=DraftSpec(kind="model", model=DRAFT, dtype="int8")),
+    # Its forwards compiled (the target stays eager: packed bf16 beats compiled there).
+    "draft_0.5b_int8_compiled_auto": dict(
+        draft=DraftSpec(kind="model", model=DRAFT, dtype="int8", compile=True)
+    ),
     "draft_0.5b_int8_auto_no_early_stop": dict(
         draft=DraftSpec(kind="model", model=DRAFT, dtype="int8"), stop_drafting_early=False
     ),
@@ -129,7 +135,7 @@ def build_engines(
         proposer, loaded_draft = None, None
         if spec is not None and spec.kind == "model":
             model = draft_models[spec.dtype]
-            runner = ModelRunner(model, grid, device, DTYPES[dtype], False, False)
+            runner = ModelRunner(model, grid, device, DTYPES[dtype], bool(spec.compile), False)
             proposer, loaded_draft = ModelProposer(runner), draft
         elif spec is not None:
             proposer = PromptLookupProposer(spec.ngram_max, spec.ngram_min)
@@ -150,11 +156,16 @@ def main() -> None:
     parser.add_argument("--engines", nargs="+", choices=list(ENGINES), default=DEFAULT_ENGINES)
     parser.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
     parser.add_argument("--draft-lengths", type=int, nargs="+", default=GRID.draft_lengths)
+    parser.add_argument("--prompt-lengths", type=int, nargs="+", default=GRID.prompt_lengths,
+                        help="prefill buckets (v4 and earlier results: 64 128 256)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     names = ["plain", *(name for name in args.engines if name != "plain")]
-    grid = GRID.model_copy(update={"draft_lengths": args.draft_lengths})
+    grid = GRID.model_copy(update={  # only the batch sizes run: warm-up skips the others
+        "batch_sizes": sorted(args.batches), "prompt_lengths": args.prompt_lengths,
+        "draft_lengths": args.draft_lengths,
+    })
     engines = build_engines(args.dtype, args.threads, names, grid)
     contenders = {name: engine_contender(engine, params) for name, engine in engines.items()}
     baselines = {}
@@ -176,6 +187,7 @@ def main() -> None:
     print(json.dumps({
         "target": TARGET.path, "draft": DRAFT.path, "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens, "draft_lengths": grid.draft_lengths,
+        "prompt_lengths": grid.prompt_lengths,
         "repeats": args.repeats, "torch_threads": args.threads,
         "batch_1_prompts_per_set": args.solo_prompts,
         "all_engine_outputs_identical_to_plain": timings.outputs_identical(),
