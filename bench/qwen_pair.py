@@ -216,6 +216,7 @@ def hf_baselines(dtype: torch.dtype, encode, max_new_tokens: int) -> dict:
 
 
 PAIRS = [("draft_0.5b_auto", "hf_assisted_0.5b"), ("draft_0.5b_int8_auto", "hf_assisted_0.5b"),
+         ("draft_0.5b_int8_compiled_auto", "hf_assisted_0.5b"),
          ("prompt_lookup_auto", "hf_prompt_lookup"), ("hf_assisted_0.5b", "hf_plain"),
          ("int8_target_draft_0.5b_int8_auto", "int8_target_plain")]
 
