@@ -76,8 +76,17 @@ class Int8Linear(nn.Module):
                 )
                 bias = None if self.bias is None else self.bias.detach().float()  # fbgemm: fp32
                 self.packed = torch.ops.quantized.linear_prepack(per_channel, bias)
-            self.handle = id(self.packed)
-            _PACKED_WEIGHTS[self.handle] = self.packed
+            self._register_packed()
+
+    def __setstate__(self, state: dict) -> None:
+        """A deep copy packs its own weights: register those, not the original's handle."""
+        super().__setstate__(state)
+        if self.packed is not None:
+            self._register_packed()
+
+    def _register_packed(self) -> None:
+        self.handle = id(self.packed)
+        _PACKED_WEIGHTS[self.handle] = self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.device.type == "cpu" and x[..., 0].numel() <= DENSE_ROWS:

@@ -74,8 +74,8 @@ class DraftSpec(_Strict):
     compile: bool | None = Field(
         None,
         description="torch.compile(dynamic=False) the draft's forwards; None: as "
-        "EngineConfig.compile. On CPU an int8 draft gains (Qwen2.5-Coder-0.5B step 37.9 -> "
-        "30.6 ms) while a oneDNN-packed bf16 target runs faster eager",
+        "EngineConfig.compile. On CPU an int8 draft gains (Qwen2.5-Coder-0.5B step 36.8 -> "
+        "29.7 ms, bench v7) while a oneDNN-packed bf16 target runs faster eager",
     )
     ngram_max: int = Field(3, ge=1, le=8)
     ngram_min: int = Field(1, ge=1, le=8)

@@ -279,6 +279,22 @@ def test_compiled_int8_linears_stay_in_one_graph_and_equal_eager():
         assert torch.equal(torch.compile(layers)(x), layers(x))
 
 
+@pytest.mark.slow
+def test_a_deep_copied_int8_linear_compiles_with_its_own_packed_weights():
+    """quantized_copy deep-copies a model: the copy's handle must name the copy's packed
+    weights, which outlive the original's."""
+    import copy
+    import gc
+
+    original = Int8Linear(torch.nn.Linear(64, 32))
+    copied = copy.deepcopy(original)
+    del original
+    gc.collect()
+    x = torch.randn(2, 64)
+    with torch.inference_mode():
+        assert torch.equal(torch.compile(copied)(x), copied(x))
+
+
 def test_exact_int8_linear_is_row_invariant_and_close():
     """A row's output is bitwise the same alone or among 8 neighbours (decode), and both the
     integer product and the prefill's dense product track the float linear."""
