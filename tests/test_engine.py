@@ -191,7 +191,9 @@ def test_a_compiled_draft_is_priced_without_its_compile_and_speculates(
 ):
     """Each shape's first call compiles (here: a 0.3 s stand-in for inductor's tens of
     seconds). A prefill runs once per prompt, so were that call its price, the draft's
-    prefill would look like a compile and K auto would never leave plain decoding."""
+    prefill would look like a compile and K auto would never leave plain decoding. The
+    target's forwards sleep 15 ms, so that it costs several draft steps, as a 1.5B target
+    does its int8 0.5B draft: on the tiny model itself, speculation does not pay."""
     import torch._inductor.compile_fx
 
     def slow_compile(graph_module, example_inputs):
@@ -200,9 +202,16 @@ def test_a_compiled_draft_is_priced_without_its_compile_and_speculates(
 
     monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx", slow_compile)
     engine = engine_for(tiny_llama_dir, draft=DraftSpec(kind="quantized", compile=True))
+    target_forward = engine.target._forward
+
+    def slow_target_forward(**inputs):
+        time.sleep(0.015)
+        return target_forward(**inputs)
+
+    engine.target._forward = slow_target_forward
     engine.warmup()
     assert engine.proposer.runner.recent_prefill_seconds(1, 16) < 0.3
-    engine.generate([SENTENCE], SamplingParams(max_new_tokens=48))
+    engine.generate([SENTENCE], SamplingParams(max_new_tokens=16))
     assert sum(steps for k, steps in engine.stats.steps_per_k.items() if k) > 0
 
 
