@@ -24,8 +24,15 @@ from generation.model import CausalLM, DecoderConfig
 from generation.proposers import CATCH_UP_WIDTHS, ModelProposer, PromptLookupProposer
 from generation.quantize import ExactInt8Linear, int8_weights, quantized_copy
 from generation.rejection import verify
-from generation.runner import WARM_CALLS, ModelRunner, bucket
+from generation.runner import WARM_CALLS, ModelRunner
 from generation.sampling import RowRandom, choose, step_draws
+from generation.schedule import (
+    batch_capacity,
+    plain_decode_steps,
+    rows_to_compact,
+    slots_to_fill,
+    step_width,
+)
 from generation.types import Completion
 from schemas import EngineConfig, ModelSpec, SamplingParams
 
@@ -269,18 +276,23 @@ class Engine:
             widths = [2] if self.chooser.fixed else CATCH_UP_WIDTHS
             runners.append((self._draft_runner, sorted({1, *widths}), True))
         for runner, lengths, last_logit_only in runners:
-            for b in grid.batch_sizes:
-                # A prefill runs once in use per prompt, so one warm call prices it; where
-                # that call built a graph, a second one prices the shape without the build
-                # (else a compiled draft's prefill looks like seconds and never pays back).
-                prefill_calls = 2 if runner.first_call_builds else 1
-                for t, _ in itertools.product(grid.prompt_lengths, range(prefill_calls)):
-                    runner.prefill([[0] * t] * b, list(range(b)))
+            # A prefill runs once in use per prompt, so one warm call prices it; where that
+            # call built a graph, a second one prices the shape without the build (else a
+            # compiled draft's prefill looks like seconds and never pays back).
+            prefill_calls = 2 if runner.first_call_builds else 1
+            for b, t, _ in itertools.product(
+                grid.batch_sizes, grid.prompt_lengths, range(prefill_calls)
+            ):
+                runner.prefill([[0] * t] * b, list(range(b)))
+            # Decode shapes take turns, so a busy spell of the host slows one call of each
+            # shape rather than all calls of one: their fastest calls compare fairly.
+            for _, b, t, s in itertools.product(
+                range(WARM_CALLS), grid.batch_sizes, lengths, grid.cache_lengths
+            ):
+                tokens, starts = torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t)
                 # A draft reads one logit per row: warm that shape, or compile meets it later.
                 last = torch.zeros(b, 1, dtype=torch.long) if last_logit_only else None
-                for t, s, _ in itertools.product(lengths, grid.cache_lengths, range(WARM_CALLS)):
-                    tokens, starts = torch.zeros(b, t, dtype=torch.long), torch.full((b,), s - t)
-                    runner.decode(tokens, starts, b, logit_index=last)
+                runner.decode(tokens, starts, b, logit_index=last)
             runner.warm_seconds = dict(runner.recent_seconds)
         self.reset_stats()
 
@@ -304,7 +316,8 @@ class Engine:
             else:
                 waiting.append(row)
         self.chooser.new_prompts()
-        capacity = bucket(self.grid.batch_sizes, max(1, min(len(waiting), self.grid.max_batch)))
+        admitted, load_mark = list(waiting), self.target.load_mark()
+        capacity = batch_capacity(self.grid.batch_sizes, len(waiting))
         slots: list[_Row | None] = [None] * capacity
         self._stats.batch_bucket_max = max(self._stats.batch_bucket_max, capacity if waiting else 0)
         while waiting or any(slots):
@@ -314,7 +327,7 @@ class Engine:
                 continue
             if not waiting:
                 self._compact(slots)
-            width = bucket(self.grid.batch_sizes, max(i for i, row in enumerate(slots) if row) + 1)
+            width = step_width(slots, self.grid.batch_sizes)
             k, switch_seconds = (
                 self._choose_k(slots[:width], params) if self.proposer else (0, 0.0)
             )
@@ -332,6 +345,8 @@ class Engine:
                     self._forward_seconds() - forwards_before,
                 )
             self._collect(slots, results, params)
+        if self.proposer:
+            self._record_plain_estimate(admitted, load_mark)
         self._stats.wall_seconds += time.perf_counter() - started
         s = self._stats
         s.host_seconds = (
@@ -366,8 +381,7 @@ class Engine:
     def _refill(
         self, slots: list[_Row | None], waiting: deque[_Row], params: SamplingParams
     ) -> None:
-        free = [i for i, row in enumerate(slots) if row is None]
-        admitted = [(slot, waiting.popleft()) for slot in free[: len(waiting)]]
+        admitted = [(slot, waiting.popleft()) for slot in slots_to_fill(slots, len(waiting))]
         if not admitted:
             return
         started = time.perf_counter()
@@ -384,7 +398,9 @@ class Engine:
             params.max_new_tokens - 1,
         )
         if with_draft:
+            draft_started = time.perf_counter()
             self.proposer.prefill(prompts, rows)
+            self._stats.draft_prefill_seconds += time.perf_counter() - draft_started
         draws = self._draws([row for _, row in admitted], 1, params)
         first = choose(logits, params, draws.at(0) if draws else None).tolist()
         for (slot, row), token in zip(admitted, first, strict=True):
@@ -411,7 +427,6 @@ class Engine:
         With a stopper, K is the largest grid K and drafting may end at a smaller one: the K
         drafted is returned."""
         live = [row for row in batch if row]
-        tokens_before = self._stats.tokens_generated
         stopper = self.stopper if self.chooser.fixed is None else None
         if stopper:
             k = self.max_draft
@@ -453,11 +468,21 @@ class Engine:
         self.chooser.observe(k, counts)
         if stopper:
             stopper.observe(accepted)
-        plain_step = self.target.seconds_now(len(batch), 1, k + 1, int(starts.max()) + k)
-        self._stats.record_plain_estimate(
-            self._stats.tokens_generated - tokens_before, len(live), plain_step
-        )
         return k
+
+    def _record_plain_estimate(self, admitted: list[_Row], load_mark: tuple[float, float]):
+        """What this call's rows would have cost decoded plain: the plain schedule's steps at
+        their warm-up [b, 1] times, scaled by how much slower this call's forwards ran than in
+        warm-up (the machine's load now). None before a warm-up."""
+        steps = plain_decode_steps(
+            [(row.prompt_len, len(row.generated)) for row in admitted],
+            self.grid.batch_sizes,
+            self.grid.cache_lengths,
+        )
+        self._stats.plain_decode_steps += steps.total()
+        self._stats.record_plain_estimate(
+            self.target.warm_priced_seconds(steps, self.target.load_since(load_mark))
+        )
 
     def _round_prices(self, batch: list[_Row | None], params: SamplingParams) -> RoundPrices:
         """From each grid K to the next: the draft steps and wider verify it costs; what a
@@ -547,9 +572,8 @@ class Engine:
 
     def _compact(self, slots: list[_Row | None]) -> None:
         """With no prompt waiting, move live rows to the front when a smaller bucket fits them."""
-        live = [i for i, row in enumerate(slots) if row]
-        width = bucket(self.grid.batch_sizes, max(live) + 1)
-        if bucket(self.grid.batch_sizes, len(live)) == width:
+        live = rows_to_compact(slots, self.grid.batch_sizes)
+        if not live:
             return
         destinations = list(range(len(live)))
         moves = [(s, d) for s, d in zip(live, destinations, strict=True) if s != d]

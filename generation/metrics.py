@@ -22,6 +22,7 @@ class EngineStats:
     compiles: int = 0
     graph_captures: int = 0  # CUDA graphs captured (one per grid shape a runner met)
     prefill_seconds: float = 0.0
+    draft_prefill_seconds: float = 0.0  # the part of prefill_seconds the draft took
     decode_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
@@ -33,9 +34,11 @@ class EngineStats:
     accepted_per_position: list[int] = field(default_factory=list)
     proposed_per_position: list[int] = field(default_factory=list)
     steps_per_k: dict[int, int] = field(default_factory=dict)  # batch steps by K (0 = plain)
-    # What plain decoding would have spent on the tokens the speculative rounds produced
-    # (measured [b, 1] step time x the plain steps needed); None once a round's b is unmeasured.
-    plain_seconds_for_rounds: float | None = 0.0
+    # With a draft: the batch steps plain decoding would have run for the same rows (the
+    # engine's schedule replayed on their lengths) and their [b, 1] forward time at this load;
+    # None once a call ran without warm-up times to price them.
+    plain_decode_steps: int = 0
+    plain_decode_seconds: float | None = 0.0
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -48,17 +51,21 @@ class EngineStats:
 
     @property
     def seconds_saved_by_speculation(self) -> float | None:
-        """Estimated plain decoding time of the speculative rounds minus their measured time."""
-        if self.plain_seconds_for_rounds is None:
+        """Estimated plain decoding time minus the measured decoding time with the draft (its
+        steps, rounds and prefill). Nothing drafted: plain decoding ran, nothing saved."""
+        if self.rounds == 0 and self.draft_prefill_seconds == 0:
+            return 0.0
+        if self.plain_decode_seconds is None:
             return None
-        return self.plain_seconds_for_rounds - self.draft_seconds - self.verify_seconds
+        spent = self.decode_seconds + self.draft_seconds + self.verify_seconds
+        return self.plain_decode_seconds - spent - self.draft_prefill_seconds
 
-    def record_plain_estimate(self, tokens: int, rows: int, plain_step_seconds: float | None):
-        """A round gave `rows` live rows `tokens` tokens: plain needs tokens / rows steps."""
-        if plain_step_seconds is None or self.plain_seconds_for_rounds is None:
-            self.plain_seconds_for_rounds = None
+    def record_plain_estimate(self, seconds: float | None) -> None:
+        """Add a call's plain-decoding estimate; one unpriced call leaves the total unknown."""
+        if seconds is None or self.plain_decode_seconds is None:
+            self.plain_decode_seconds = None
         else:
-            self.plain_seconds_for_rounds += tokens / rows * plain_step_seconds
+            self.plain_decode_seconds += seconds
 
     def record_step(self, k: int) -> None:
         self.steps_per_k[k] = self.steps_per_k.get(k, 0) + 1

@@ -63,6 +63,8 @@ class ModelRunner:
         self.recent_seconds: dict[tuple, float] = {}  # per-shape moving average, for choosing K
         self.warm_seconds: dict[tuple, float] = {}  # recent_seconds as the warm-up left them
         self.busy_seconds = 0.0  # inside forwards, all shapes: the rest of a step is host work
+        self.warm_shapes_seconds = 0.0  # inside forwards of warmed-up shapes, since warm-up
+        self.warm_shapes_expected = 0.0  # the same forwards at their warm-up times
         self.computed_slots = 0
         self.useful_slots = 0
         self.compiles = 0
@@ -106,6 +108,9 @@ class ModelRunner:
         devices.synchronize(self.device)
         elapsed = perf_counter() - started
         self.busy_seconds += elapsed
+        if key in self.warm_seconds:
+            self.warm_shapes_seconds += elapsed
+            self.warm_shapes_expected += self.warm_seconds[key]
         if self.shapes[key] == 0:
             self.recent_seconds[key] = elapsed
         elif self.shapes[key] < WARM_CALLS:  # the first call pays one-time set-up, and a
@@ -118,16 +123,25 @@ class ModelRunner:
         self.useful_slots += useful
         return logits
 
-    def seconds_now(self, b: int, t: int, like: int, last_position: int) -> float | None:
-        """A [b, t] decode's time under the current load: the recent time of the [b, like]
-        forward at the same cache bucket x the two shapes' ratio in warm-up (timed back to back).
-        None before a warm-up."""
-        attend = bucket(self.grid.cache_lengths, last_position + 1)
-        wanted, known = ("decode", b, t, attend), ("decode", b, like, attend)
-        if wanted not in self.warm_seconds or known not in self.warm_seconds:
+    def load_mark(self) -> tuple[float, float]:
+        """Seconds spent in warmed-up shapes so far: measured, and at their warm-up times."""
+        return self.warm_shapes_seconds, self.warm_shapes_expected
+
+    def load_since(self, mark: tuple[float, float]) -> float | None:
+        """How much slower than in warm-up this runner's forwards ran since `mark` (1.0: as
+        fast); None when no warmed-up shape ran."""
+        expected = self.warm_shapes_expected - mark[1]
+        return (self.warm_shapes_seconds - mark[0]) / expected if expected > 0 else None
+
+    def warm_priced_seconds(
+        self, steps: Counter[tuple[int, int]], load: float | None
+    ) -> float | None:
+        """[b, 1] decode steps by (b, cache bucket) at their warm-up times x `load`; None
+        when a shape was never warmed up or no load was measured."""
+        keys = {("decode", b, 1, attend): count for (b, attend), count in steps.items()}
+        if load is None or any(key not in self.warm_seconds for key in keys):
             return None
-        ratio = self.warm_seconds[wanted] / self.warm_seconds[known]
-        return self.recent_seconds[known] * ratio
+        return load * sum(self.warm_seconds[key] * count for key, count in keys.items())
 
     def recent_seconds_for(self, b: int, t: int) -> float:
         """Recent time of a [b, t] decode forward, averaged over the cache buckets seen."""

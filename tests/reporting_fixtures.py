@@ -11,14 +11,13 @@ import datetime as dt
 import io
 import json
 import random
-import statistics
 from typing import Any
 
 import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
+from schemas import BucketGrid
 from schemas.arrow import METRICS_SCHEMA
 
 UTC = dt.UTC
@@ -244,38 +243,3 @@ COPY_PROMPTS = [
 PAYOFF_GRID = BucketGrid(
     batch_sizes=[1, 2, 4], prompt_lengths=[128], cache_lengths=[256], draft_lengths=[4]
 )
-
-
-def measure_plain_estimate(target: ModelSpec, repeats: int) -> dict[str, float]:
-    """Plain wall seconds of one batch of copy-heavy prompts: estimated and measured.
-
-    The estimate comes from a prompt-lookup run (its wall time plus the seconds speculation
-    saved, from warmed-up [b, 1] step times); the measurement from the same prompts decoded
-    plain. Runs alternate, and each figure is a median, so machine drift hits both alike.
-    """
-    from generation import Engine  # torch only for the tests that measure
-
-    params = SamplingParams(max_new_tokens=48)
-    engines = {}
-    for name, draft in (("plain", None), ("lookup", DraftSpec(kind="prompt_lookup"))):
-        config = EngineConfig(target=target, draft=draft, device="cpu", bucket_grid=PAYOFF_GRID,
-                              num_draft_tokens=4 if draft else "auto")  # fmt: skip
-        engines[name] = Engine.from_config(config)
-        engines[name].warmup()
-    samples: dict[str, list[float]] = {"measured": [], "estimated": [], "speculative": []}
-    for _ in range(repeats):
-        for name, engine in engines.items():
-            engine.reset_stats()
-            engine.generate(COPY_PROMPTS, params)
-            stats = engine.stats
-            if name == "plain":
-                samples["measured"].append(stats.wall_seconds)
-            else:
-                samples["speculative"].append(stats.wall_seconds)
-                samples["estimated"].append(stats.wall_seconds + stats.seconds_saved_by_speculation)
-    return {
-        f"{name}_plain_seconds" if name != "speculative" else "speculative_seconds": (
-            statistics.median(values)
-        )
-        for name, values in samples.items()
-    }
