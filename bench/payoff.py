@@ -29,7 +29,7 @@ from generation import Engine  # noqa: E402
 from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams  # noqa: E402
 
 
-def measure_plain_estimate(target: ModelSpec, repeats: int) -> dict[str, float]:
+def measure_plain_estimate(target: ModelSpec, repeats: int) -> dict:
     """Plain wall seconds of one batch of copy-heavy prompts, estimated and measured, and
     plain steps, replayed and run.
 
@@ -43,26 +43,26 @@ def measure_plain_estimate(target: ModelSpec, repeats: int) -> dict[str, float]:
                               num_draft_tokens=4 if draft else "auto")  # fmt: skip
         engines[name] = Engine.from_config(config)
         engines[name].warmup()
-    samples: dict[str, list[float]] = {"measured": [], "estimated": [], "speculative": []}
+    measured, estimated, speculative = [], [], []
     for _ in range(repeats):
         for name, engine in engines.items():
             engine.reset_stats()
             engine.generate(COPY_PROMPTS, params)
             stats = engine.stats
             if name == "plain":
-                samples["measured"].append(stats.wall_seconds)
+                measured.append(stats.wall_seconds)
             else:
-                samples["speculative"].append(stats.wall_seconds)
-                samples["estimated"].append(stats.wall_seconds + stats.seconds_saved_by_speculation)
-    pairs = zip(samples["estimated"], samples["measured"], strict=True)
+                speculative.append(stats.wall_seconds)
+                estimated.append(stats.wall_seconds + stats.seconds_saved_by_speculation)
     return {
         "seconds": {
-            f"{name}_plain_seconds" if name != "speculative" else "speculative_seconds": (
-                statistics.median(values)
-            )
-            for name, values in samples.items()
+            "measured_plain_seconds": statistics.median(measured),
+            "estimated_plain_seconds": statistics.median(estimated),
+            "speculative_seconds": statistics.median(speculative),
         },
-        "estimate_error_per_repeat": [round(est / real - 1, 3) for est, real in pairs],
+        "estimate_error_per_repeat": [
+            round(est / real - 1, 3) for est, real in zip(estimated, measured, strict=True)
+        ],
         "plain_steps": {
             "replayed_by_lookup_run": engines["lookup"].stats.plain_decode_steps,
             "run_plain": engines["plain"].stats.steps_per_k[0],
