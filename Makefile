@@ -27,7 +27,7 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: setup lint
-	bash tests/ensure_chromium.sh
+	bash tests/ensure_debian_packages.sh
 	$(PY) -m pytest -q -rs
 
 models: setup

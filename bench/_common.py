@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from generation import kernels
 from generation.loading import resolve_model_dir
 from schemas import ModelSpec
 
@@ -49,6 +50,17 @@ COPY_HEAVY = [
     for p in PARAGRAPHS * 2
 ]
 PROMPT_SETS = {"free_text": FREE_TEXT, "copy": COPY_HEAVY}
+
+
+def machine(engines: dict | None = None) -> dict:
+    """What every result file records of where it ran: CPU model, ISA, torch, threads, and
+    the linear kernels each engine used (`CORPUSGEN_DISABLE_KERNELS` forces the fallbacks)."""
+    return {
+        **kernels.hardware(),
+        "torch_threads": torch.get_num_threads(),
+        "disabled_kernels": sorted(kernels.disabled_paths()),
+        "kernels": {name: e.hardware_info["cpu_kernels"] for name, e in (engines or {}).items()},
+    }
 
 
 def median_seconds(runs: list[float]) -> float:

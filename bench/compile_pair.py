@@ -17,6 +17,7 @@ import statistics
 import time
 
 import torch
+from _common import machine
 from qwen_pair import DRAFT, TARGET
 
 from generation.engine import load_model
@@ -63,7 +64,7 @@ def main() -> None:
             "first_call_seconds_compiled": compile_seconds,
             "compiles": compiled.compiles,
         }
-    print(json.dumps(result, indent=2))
+    print(json.dumps({"machine": machine(), **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the report fixtures and the Chromium driver
 
+from _common import machine  # noqa: E402
 from headless_chromium import headless_chromium  # noqa: E402
 from reporting_fixtures import daily_history, three_runs, write_shard  # noqa: E402
 
@@ -111,7 +112,7 @@ def main() -> None:
         "html_bytes": round(year["html_bytes"] / small["html_bytes"], 3),
         "load": round(year["load_ms"] / small["load_ms"], 3),
     }
-    print(json.dumps(result, indent=2))
+    print(json.dumps({"machine": machine(), **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from _common import (
     hf_generate,
     hf_rate,
     load_hf_smollm2,
+    machine,
     timed,
     weight_bytes,
 )
@@ -72,6 +73,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "machine": machine({"engine": engine}),
                 "model": SMOLLM2.path,
                 "max_new_tokens": MAX_NEW_TOKENS,
                 "repeats": args.repeats,

@@ -23,6 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the prompts are shared with the tests
 
+from _common import machine  # noqa: E402
 from reporting_fixtures import COPY_PROMPTS, PAYOFF_GRID  # noqa: E402
 
 from generation import Engine  # noqa: E402
@@ -79,6 +80,7 @@ def main() -> None:
     seconds = result["seconds"]
     estimate, measured = seconds["estimated_plain_seconds"], seconds["measured_plain_seconds"]
     print(json.dumps({
+        "machine": machine(),
         "model": "packaged:smollm2-135m-instruct", "draft": "prompt_lookup, K=4",
         "prompts": "4 copy-heavy chat prompts, batch 4, 48 new tokens, greedy",
         "repeats": args.repeats, "torch_threads": 1,

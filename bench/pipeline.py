@@ -23,6 +23,7 @@ from pathlib import Path
 import fsspec
 import pyarrow.dataset as ds
 import yaml
+from _common import machine
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
@@ -149,7 +150,7 @@ def main() -> None:
         result = {"planning_10k": planning_time(10_000, Path(tmp))}
         if not args.skip_demo:
             result["demo"] = demo_overhead(args.rows, args.max_new_tokens, args.slots, Path(tmp))
-    print(json.dumps(result, indent=2))
+    print(json.dumps({"machine": machine(), **result}, indent=2))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import json
 import statistics
 
 import torch
-from _common import EngineTimings, engine_contender, hf_contender, hf_generate
+from _common import EngineTimings, engine_contender, hf_contender, hf_generate, machine
 
 from generation import Engine
 from generation.engine import DTYPES, load_model
@@ -185,6 +185,7 @@ def main() -> None:
         for key in timings.rates if key.rsplit("/", 1)[1] in baselines
     }
     print(json.dumps({
+        "machine": machine(engines),
         "target": TARGET.path, "draft": DRAFT.path, "dtype": args.dtype,
         "max_new_tokens": args.max_new_tokens, "draft_lengths": grid.draft_lengths,
         "prompt_lengths": grid.prompt_lengths,

@@ -14,7 +14,7 @@ import json
 import statistics
 
 import torch
-from _common import PROMPT_SETS, SMOLLM2, timed
+from _common import PROMPT_SETS, SMOLLM2, machine, timed
 
 from generation import Engine
 from generation.sampling import allowed_logits
@@ -75,7 +75,8 @@ def main() -> None:
         )
         for mode in ("coupled", "rejection")
     }
-    result: dict = {"model": SMOLLM2.path, "draft": "int8", "k": 4, "batch": 8,
+    result: dict = {"machine": machine({"plain": plain, "int8_k4": speculative}),
+                    "model": SMOLLM2.path, "draft": "int8", "k": 4, "batch": 8,
                     "temperature": 0.8, "top_p": 0.95, "max_new_tokens": args.max_new_tokens,
                     "repeats": args.repeats, "torch_threads": args.threads, "sets": {}}
     for set_name, prompts in PROMPT_SETS.items():

@@ -22,6 +22,7 @@ from _common import (
     engine_contender,
     hf_contender,
     load_hf_smollm2,
+    machine,
 )
 
 from generation import Engine
@@ -96,6 +97,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "machine": machine(engines),
                 "model": SMOLLM2.path,
                 "max_new_tokens": args.max_new_tokens,
                 "repeats": args.repeats,

@@ -3,9 +3,12 @@
 A bf16 `F.linear` on CPU runs oneDNN, which reorders the weight into its blocked layout on
 every call: at one decode row that reorder costs about as much as the product. Reordering once
 at load and calling the prepacked kernel (what inductor's freezing does) gives bit-identical
-results, measured here (1 thread, Qwen2.5-Coder 1.5B bf16): a [1, 1] step 321 -> 226 ms,
-[8, 1] 395 -> 310 ms; the 0.5B 117 -> 75 ms. fp32 is left alone: its prepacked kernel rounds
-differently (~1e-4) from the float reference the tests hold the models to.
+results, measured on an Intel Xeon with AVX-512 BF16 and AMX (1 thread, Qwen2.5-Coder 1.5B
+bf16): a [1, 1] step 321 -> 226 ms, [8, 1] 395 -> 310 ms; the 0.5B 117 -> 75 ms. The kernel
+is a private op that refuses CPUs without AVX512-BW/VL/DQ or AVX-NE-CONVERT, so it is used only
+where `kernels.packed_bf16()` ran it; elsewhere bf16 linears stay `nn.Linear`. fp32 is left
+alone: its prepacked kernel rounds differently (~1e-4) from the float reference the tests hold
+the models to.
 """
 
 from __future__ import annotations
@@ -13,17 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-
-def packing_applies(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
-
+from generation import kernels
 
 # oneDNN's bf16 product below 4 rows is its slow path (1 thread, Qwen 1.5B shapes, ms at 1 / 4
 # rows: 1536x17920 3.8 / 3.3, the 151,936-row LM head 26.5 / 21.1): a decode step at batch 1
@@ -46,6 +42,8 @@ class PackedLinear(nn.Module):
     """An nn.Linear whose weight lives in oneDNN's layout (an opaque tensor: no deepcopy, no
     state_dict; pack after every copy of the model is made)."""
 
+    kernel = kernels.ONEDNN_PACKED_BF16
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
@@ -63,11 +61,51 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, oneDNN-packed"
 
 
-def pack_linears(model: nn.Module) -> nn.Module:
-    """Swap every plain bf16 nn.Linear for a PackedLinear, in place (int8 linears are left
-    alone; packed ones too, so runners sharing one model pack it once)."""
+class Fp32ComputeLinear(nn.Linear):
+    """A bf16 model's linear where oneDNN's bf16 kernels are missing (an AVX2-only CPU): the
+    bf16 weights upcast to fp32 once, at load, and every product run by MKL's fp32 GEMM.
+
+    The tokens are those of the bf16 weights; the speed and memory those of fp32 (double the
+    bf16 bytes). Measured on an AVX-512 Xeon with packing disabled (bench/README.md): torch's
+    native bf16 GEMM, the only bf16 kernel such a CPU has, is a loop of GEMVs, as fast as
+    fp32 at one row but 6x slower for a [8, 5] verify and 2x for a prefill; an upcast per
+    call costs more than the product. Rows round the same in any batch up to MKL's own
+    reordering (~1e-7 relative), as for an fp32 model.
+    """
+
+    kernel = "fp32-compute"
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = nn.Parameter(linear.weight.detach().float(), requires_grad=False)
+        bias = linear.bias
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(),
+                                                           requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+def _swap_bf16_linears(model: nn.Module, make) -> nn.Module:
+    """Swap every plain bf16 nn.Linear for make(linear), in place (int8 linears and ones
+    already swapped are left alone, so runners sharing one model swap it once)."""
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16:
-                setattr(module, name, PackedLinear(child))
+                setattr(module, name, make(child))
     return model
+
+
+def pack_linears(model: nn.Module) -> nn.Module:
+    return _swap_bf16_linears(model, PackedLinear)
+
+
+def bf16_linears_for(model: nn.Module, device: torch.device) -> nn.Module:
+    """A bf16 model's linears on this CPU: oneDNN-packed where its probe passed, else
+    computed in fp32 (never a crash, and no kernel this CPU lacks)."""
+    if device.type != "cpu":
+        return model
+    if kernels.packed_bf16().available:
+        return pack_linears(model)
+    return _swap_bf16_linears(model, Fp32ComputeLinear)

@@ -7,19 +7,15 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
-import warnings
 import weakref
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from generation import kernels
 from generation.model import CausalLM
 from generation.packing import with_rows_at_least
-
-
-def _fbgemm_available() -> bool:
-    return any(engine in ("fbgemm", "x86") for engine in torch.backends.quantized.supported_engines)
 
 
 def _per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,12 +47,14 @@ class Int8Linear(nn.Module):
     """Per-output-channel symmetric int8 weights (a quarter of the fp32 bytes).
 
     On x86 CPUs the product runs in fbgemm's int8 kernel with activations quantized per call
-    (dynamic W8A8): measured here 4x faster than fp32 at 8 rows and 5-10x on the LM head, where
-    the weight-only int8 x bf16 kernel is a GEMV that loses at batch > 1. Past DENSE_ROWS rows
-    (a prefill) fbgemm falls far behind a bf16/fp32 GEMM (29 ms vs 9 ms for 1024 x 896 x 4864
-    here, dequantizing included), so the weights are dequantized per call there, as they are
-    off x86. Drafts only: its activations' scale spans the batch, so a row's result depends on
-    its neighbours; the verifier keeps the target's tokens exact whatever the draft proposes.
+    (dynamic W8A8): measured on an AVX-512 Xeon 4x faster than fp32 at 8 rows and 5-10x on the
+    LM head, where the weight-only int8 x bf16 kernel is a GEMV that loses at batch > 1. Past
+    DENSE_ROWS rows (a prefill) fbgemm falls far behind a bf16/fp32 GEMM (29 ms vs 9 ms for
+    1024 x 896 x 4864 there, dequantizing included), so the weights are dequantized per call
+    there, as they are on GPUs and Gaudi. Drafts only: its activations' scale spans the batch,
+    so a row's result depends on its neighbours; the verifier keeps the target's tokens exact
+    whatever the draft proposes. On a CPU without fbgemm (it needs AVX2) it is refused:
+    dequantizing every call would make the draft slower than the float model it came from.
     """
 
     def __init__(self, linear: nn.Linear):
@@ -67,15 +65,14 @@ class Int8Linear(nn.Module):
         self.register_buffer("scales", scales)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
         self.packed = None
-        if weight.device.type == "cpu" and _fbgemm_available():
-            with warnings.catch_warnings():  # quantized tensors are deprecated, their kernels not
-                warnings.simplefilter("ignore")
-                zero = torch.zeros(len(scales), dtype=torch.long)
-                per_channel = torch._make_per_channel_quantized_tensor(
-                    quantized, scales.double(), zero, 0
-                )
-                bias = None if self.bias is None else self.bias.detach().float()  # fbgemm: fp32
-                self.packed = torch.ops.quantized.linear_prepack(per_channel, bias)
+        if weight.device.type == "cpu":
+            kernels.require(
+                kernels.fbgemm_int8(), "an int8 draft",
+                "use a bfloat16 or float32 draft (draft.dtype / draft.model.dtype), or "
+                "draft.kind: prompt_lookup",
+            )
+            bias = None if self.bias is None else self.bias.detach().float()  # fbgemm: fp32
+            self.packed = kernels.fbgemm_prepack(quantized, scales, bias)
             self._register_packed()
 
     def __setstate__(self, state: dict) -> None:
@@ -87,6 +84,10 @@ class Int8Linear(nn.Module):
     def _register_packed(self) -> None:
         self.handle = id(self.packed)
         _PACKED_WEIGHTS[self.handle] = self.packed
+
+    @property
+    def kernel(self) -> str:
+        return kernels.FBGEMM_INT8 if self.packed is not None else "int8-dequantized"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None and x.device.type == "cpu" and x[..., 0].numel() <= DENSE_ROWS:
@@ -124,8 +125,15 @@ class ExactInt8Linear(nn.Module):
     batch-invariant as that dtype's GEMM, and every decode step stays exact.
     """
 
+    kernel = kernels.INT_MM
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        if linear.weight.device.type == "cpu":
+            kernels.require(
+                kernels.int_mm(), "an int8 target (quantize: int8)",
+                "load the target in bfloat16 or float32 (remove quantize)",
+            )
         quantized, scales = _per_channel_int8(linear.weight.detach().float())
         self.register_buffer("weight_t", quantized.t())  # [in, out] view, as _int_mm wants
         self.register_buffer("scales", scales)

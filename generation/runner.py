@@ -12,9 +12,10 @@ from time import perf_counter
 import torch
 
 from generation import device as devices
+from generation import kernels
 from generation.graphs import GraphedForward, graph_capture
 from generation.model import CausalLM, KVCache
-from generation.packing import pack_linears, packing_applies
+from generation.packing import bf16_linears_for
 from generation.quantize import prefilling
 from schemas import BucketGrid
 from schemas.engine import CATCH_UP_WIDTHS
@@ -68,14 +69,16 @@ class ModelRunner:
         self.computed_slots = 0
         self.useful_slots = 0
         self.compiles = 0
-        if packing_applies(device, dtype) and not compile_model:  # inductor packs its own
-            pack_linears(model)
+        if dtype == torch.bfloat16 and not compile_model:  # inductor picks its own kernels
+            bf16_linears_for(model, device)
         self._forward = model.forward
         compiles = compile_model and device.type in ("cpu", "cuda")
         hpu_graphed = hpu_graphs and device.type == "hpu"
         capture = graph_capture(device) if cuda_graphs else None
         # A shape's first call compiles or captures a graph: seconds no later call pays.
         self.first_call_builds = bool(compiles or hpu_graphed or capture)
+        # What the metrics' cpu_kernels name (inductor may fuse or repack plain linears).
+        self.kernels = ("compiled:" if compiles else "") + kernels.linear_kernels(model)
         if compiles:
             _raise_recompile_limit(grid)
             self._forward = torch.compile(

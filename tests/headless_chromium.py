@@ -100,7 +100,8 @@ def headless_chromium(profile: Path, width: int = 1400, height: int = 1000) -> I
     executable = shutil.which("chromium")
     if executable is None:
         raise ChromiumMissing(
-            "Debian's chromium is missing: run `bash tests/ensure_chromium.sh` (make test does)"
+            "Debian's chromium is missing: run `bash tests/ensure_debian_packages.sh` "
+            "(make test does)"
         )
     process = subprocess.Popen(
         [executable, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",

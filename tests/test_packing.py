@@ -1,5 +1,7 @@
 """bf16 linears prepacked for oneDNN on CPU: the same numbers as F.linear, bit for bit, so
-packing moves speed and never a token."""
+packing moves speed and never a token. These tests measure the packed kernel itself, so they
+need a CPU that runs it (AVX512-BW/VL/DQ or AVX-NE-CONVERT); test_portability.py runs the
+fallback everywhere."""
 
 from __future__ import annotations
 
@@ -8,12 +10,14 @@ import torch
 import torch.nn.functional as F
 from engine_helpers import engine_for, varied_prompts
 
-from generation import runner as runner_module
-from generation.packing import PACKED_MIN_ROWS, PackedLinear, packing_applies
+from generation import kernels
+from generation.packing import PACKED_MIN_ROWS, PackedLinear
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
 pytestmark = pytest.mark.skipif(
-    not packing_applies(torch.device("cpu"), torch.bfloat16), reason="no oneDNN in this torch"
+    not kernels.packed_bf16().available,
+    reason=f"needs oneDNN's prepacked bf16 kernel: {kernels.packed_bf16().reason} "
+    f"(CPU: {kernels.cpu_summary()})",
 )
 
 
@@ -50,9 +54,7 @@ def linear_kinds(engine) -> set[str]:
     }
 
 
-def test_a_bf16_engine_packs_its_linears_and_keeps_its_tokens(
-    tiny_llama_dir, tiny_llama_other_dir, monkeypatch
-):
+def test_a_bf16_engine_packs_its_linears_and_keeps_its_tokens(tiny_llama_dir, tiny_llama_other_dir):
     def engine():
         bf16 = ModelSpec(path=str(tiny_llama_dir), dtype="bfloat16")
         draft = DraftSpec(
@@ -63,9 +65,9 @@ def test_a_bf16_engine_packs_its_linears_and_keeps_its_tokens(
     prompts, params = varied_prompts(6), SamplingParams(max_new_tokens=16)
     packed = engine()
     assert linear_kinds(packed) == {"PackedLinear"}
-    monkeypatch.setattr(runner_module, "packing_applies", lambda device, dtype: False)
-    unpacked = engine()
-    assert linear_kinds(unpacked) == {"Linear"}
+    with kernels.disabled(kernels.ONEDNN_PACKED_BF16):
+        unpacked = engine()
+    assert linear_kinds(unpacked) == {"Fp32ComputeLinear"}
     assert [c.token_ids for c in packed.generate(prompts, params)] == [
         c.token_ids for c in unpacked.generate(prompts, params)
     ]

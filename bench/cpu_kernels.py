@@ -1,0 +1,90 @@
+"""The CPU linear kernel paths side by side on a Qwen model, per decode shape and a prefill:
+oneDNN-packed bf16 (where this CPU runs it), the bf16 fallback (fp32 compute, as on a CPU
+without AVX-512 BF16), and fp32 as the reference.
+
+One process, one thread; the runners hold copies of the same weights and take turns, one
+set of shapes each, so machine drift hits all of them; medians. Prints JSON naming the CPU;
+commit it under bench/results/.
+Usage: python bench/cpu_kernels.py [--repeats 9] [--model target|draft]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import statistics
+import time
+
+import torch
+from _common import machine
+from compile_pair import SHAPES, decode_seconds
+from qwen_pair import DRAFT, TARGET
+
+from generation import kernels
+from generation.engine import load_model
+from generation.runner import ModelRunner
+from schemas import BucketGrid
+
+GRID = BucketGrid(batch_sizes=[1, 8], prompt_lengths=[128], cache_lengths=[384], draft_lengths=[4])
+
+
+def prefill_seconds(runner: ModelRunner, b: int, t: int) -> float:
+    started = time.perf_counter()
+    runner.prefill([[0] * t] * b, list(range(b)))
+    return time.perf_counter() - started
+
+
+def timings(runner: ModelRunner) -> dict[str, float]:
+    """One call of every measured shape: decode steps / verifies, and a 128-token prefill."""
+    times = {f"b{b}_t{t}": decode_seconds(runner, b, t) for b, t in SHAPES}
+    times["prefill_b1_t128"] = prefill_seconds(runner, 1, 128)
+    return times
+
+
+def runners(spec) -> dict[str, ModelRunner]:
+    """name -> a runner on its own copy of the weights, its linears as the name says."""
+    cpu = torch.device("cpu")
+    fp32 = load_model(spec.model_copy(update={"dtype": "float32"}), GRID.max_cache, cpu).model
+    bf16 = copy.deepcopy(fp32).to_dtype(torch.bfloat16)
+    built = {"fp32": ModelRunner(fp32, GRID, cpu, torch.float32)}
+    if kernels.packed_bf16().available:
+        built["bf16_packed"] = ModelRunner(copy.deepcopy(bf16), GRID, cpu, torch.bfloat16)
+    with kernels.disabled(kernels.ONEDNN_PACKED_BF16):  # the fallback, as on an AVX2 CPU
+        built["bf16_fallback"] = ModelRunner(copy.deepcopy(bf16), GRID, cpu, torch.bfloat16)
+    return built
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--model", choices=["target", "draft"], default="target")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    spec = TARGET if args.model == "target" else DRAFT
+    built = runners(spec)
+    for runner in built.values():  # first calls pay one-time set-up
+        timings(runner)
+    times: dict[str, dict[str, list[float]]] = {name: {} for name in built}
+    for _ in range(args.repeats):
+        for name, runner in built.items():
+            for shape, seconds in timings(runner).items():
+                times[name].setdefault(shape, []).append(seconds)
+    ms = {name: {shape: round(statistics.median(v) * 1e3, 1) for shape, v in by_shape.items()}
+          for name, by_shape in times.items()}
+    result = {
+        "machine": machine(),
+        "model": spec.path,
+        "repeats": args.repeats,
+        "kernels": {name: runner.kernels for name, runner in built.items()},
+        "forward_ms": ms,
+        "over_fp32": {
+            name: {shape: round(ms[name][shape] / ms["fp32"][shape], 3) for shape in ms["fp32"]}
+            for name in ms if name != "fp32"
+        },
+    }
+    print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()

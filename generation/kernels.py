@@ -1,0 +1,245 @@
+"""Which linear kernels this process may use, decided once by trying each fast path.
+
+A CPU's flag list does not say what a torch build's kernels need: oneDNN's prepacked bf16
+linear refuses CPUs without AVX512-BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only AMD EPYC), and
+fbgemm's int8 kernels need AVX2. So each fast path is run once on a tiny tensor and compared
+with the public reference before it is trusted; where the probe fails, the engine uses the
+public fallback (bf16 `F.linear`), or refuses with the missing feature named where nothing
+fits (an int8 draft without fbgemm). The choice is logged once with its reason, and every
+shard's metrics name the kernels its engine ran (`cpu_kernels`) and the CPU (`cpu_model`,
+`cpu_isa`).
+
+`CORPUSGEN_DISABLE_KERNELS` (comma-separated names from FAST_PATHS) turns fast paths off as
+if their probe had failed: the fallbacks run in `make test` on any CPU, and a user can rule out
+a kernel without a code change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+import platform
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+log = logging.getLogger("corpusgen.kernels")
+
+DISABLE_ENV = "CORPUSGEN_DISABLE_KERNELS"
+ONEDNN_PACKED_BF16 = "onednn-packed-bf16"  # private op, prepacked once: measured faster
+FBGEMM_INT8 = "fbgemm-int8"  # dynamic W8A8 linears of int8 drafts
+INT_MM = "int-mm"  # exact int8 x int8 -> int32 GEMM of int8 targets
+FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, INT_MM)
+
+
+class KernelUnavailable(RuntimeError):
+    """No kernel this CPU and torch build can run fits the requested weights."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    available: bool
+    reason: str  # why it is (or is not) used, in words for the log and errors
+
+
+def disabled_paths() -> set[str]:
+    names = {n.strip() for n in os.environ.get(DISABLE_ENV, "").split(",") if n.strip()}
+    unknown = names - set(FAST_PATHS)
+    if unknown:
+        raise ValueError(
+            f"{DISABLE_ENV} names unknown kernels {sorted(unknown)}; known: {', '.join(FAST_PATHS)}"
+        )
+    return names
+
+
+PROBES: list = []  # every probe function, so `disabled` can make them ask afresh
+
+
+def _probe(function):
+    cached = functools.cache(function)
+    PROBES.append(cached)
+    return cached
+
+
+@contextlib.contextmanager
+def disabled(*names: str) -> Iterator[None]:
+    """The body runs as if these fast paths had failed their probes (for side-by-side
+    benchmarks and tests); the environment and every probe are restored afterwards."""
+    before = os.environ.get(DISABLE_ENV)
+    os.environ[DISABLE_ENV] = ",".join(sorted(disabled_paths() | set(names)))
+    for probe in PROBES:
+        probe.cache_clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(DISABLE_ENV, None)
+        else:
+            os.environ[DISABLE_ENV] = before
+        for probe in PROBES:
+            probe.cache_clear()
+
+
+def _tried(name: str, attempt) -> Probe:
+    """Run `attempt` (True when its result matched the reference) unless disabled."""
+    if name in disabled_paths():
+        return Probe(False, f"disabled by {DISABLE_ENV}")
+    try:
+        matched = attempt()
+    except Exception as error:  # the kernel's own refusal names the missing CPU feature
+        first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        return Probe(False, first_line[:300])
+    if not matched:
+        return Probe(False, "its probe's result differed from the reference")
+    return Probe(True, "probe passed")
+
+
+def _reported(name: str, probe: Probe) -> Probe:
+    level = logging.INFO if probe.available else logging.WARNING
+    verdict = "used" if probe.available else "unavailable, using the fallback"
+    log.log(level, "kernel %s %s (%s); CPU: %s", name, verdict, probe.reason, cpu_summary())
+    return probe
+
+
+def _tiny(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 32, generator=generator).to(dtype)
+    weight = torch.randn(16, 32, generator=generator).to(dtype)
+    return x, weight
+
+
+@_probe
+def packed_bf16() -> Probe:
+    """oneDNN's prepacked bf16 linear (torch.ops.mkldnn, private): the weight reordered once
+    instead of on every call."""
+
+    def attempt() -> bool:
+        ops = torch.ops.mkldnn
+        if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")):
+            raise RuntimeError("this torch build has no oneDNN prepacked linear")
+        x, weight = _tiny(torch.bfloat16)
+        packed = ops._reorder_linear_weight(weight, 1)
+        out = ops._linear_pointwise(x, packed, None, "none", [], "")
+        return torch.equal(out, F.linear(x, weight))
+
+    return _reported(ONEDNN_PACKED_BF16, _tried(ONEDNN_PACKED_BF16, attempt))
+
+
+def fbgemm_prepack(
+    weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.ScriptObject:
+    """fbgemm's packed form of int8 weights [out, in] with per-output-channel fp32 scales."""
+    with warnings.catch_warnings():  # quantized tensors are deprecated, their kernels are not
+        warnings.simplefilter("ignore")
+        zero = torch.zeros(len(scales), dtype=torch.long)
+        per_channel = torch._make_per_channel_quantized_tensor(weight, scales.double(), zero, 0)
+        return torch.ops.quantized.linear_prepack(per_channel, bias)
+
+
+@_probe
+def fbgemm_int8() -> Probe:
+    """fbgemm's dynamic int8 linear (per-channel int8 weights, activations quantized per call)."""
+
+    def attempt() -> bool:
+        if not any(e in ("fbgemm", "x86") for e in torch.backends.quantized.supported_engines):
+            raise RuntimeError("this torch build has no fbgemm quantized engine")
+        x, weight = _tiny(torch.float32)
+        scales = weight.abs().amax(1) / 127
+        quantized = (weight / scales[:, None]).round().to(torch.int8)
+        out = torch.ops.quantized.linear_dynamic(x, fbgemm_prepack(quantized, scales, None), True)
+        reference = F.linear(x, quantized.float() * scales[:, None])
+        return bool(torch.allclose(out, reference, atol=0.1 * float(reference.abs().max())))
+
+    return _reported(FBGEMM_INT8, _tried(FBGEMM_INT8, attempt))
+
+
+@_probe
+def int_mm() -> Probe:
+    """torch._int_mm on CPU: int8 x int8 summed exactly in int32."""
+
+    def attempt() -> bool:
+        generator = torch.Generator().manual_seed(0)
+        a = torch.randint(-127, 128, (4, 32), generator=generator, dtype=torch.int8)
+        b = torch.randint(-127, 128, (32, 16), generator=generator, dtype=torch.int8)
+        return torch.equal(torch._int_mm(a, b), a.int() @ b.int())
+
+    return _reported(INT_MM, _tried(INT_MM, attempt))
+
+
+def require(probe: Probe, what: str, instead: str) -> None:
+    """Refuse `what` naming why its kernel is missing and what to use `instead`."""
+    if not probe.available:
+        raise KernelUnavailable(
+            f"{what} needs a kernel this CPU/torch lacks ({probe.reason}; CPU: {cpu_summary()}); "
+            f"{instead}"
+        )
+
+
+# ---- the CPU, as metrics and bench results name it ------------------------------------------
+
+ISA_PROBES = {  # torch asks cpuid itself, so these hold under an emulated CPU too
+    "avx2": "_is_avx2_supported",
+    "avx512": "_is_avx512_supported",
+    "avx512_vnni": "_is_vnni_supported",
+    "avx512_bf16": "_is_avx512_bf16_supported",
+    "amx": "_is_amx_tile_supported",
+    "amx_fp16": "_is_amx_fp16_supported",
+}
+
+
+@functools.cache
+def cpu_model() -> str:
+    """The model name with its x86 family / model numbers: a virtual machine often shows a
+    generic name ("Intel(R) Xeon(R) Processor") that only the numbers tell apart."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            for line in cpuinfo:
+                if not line.strip():
+                    break  # the first processor's block is enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name
+
+
+@functools.cache
+def cpu_isa() -> str:
+    """torch's vector ISA level and the extensions that matter here, e.g.
+    `AVX512 avx2 avx512 avx512_vnni avx512_bf16 amx`."""
+    found = [name for name, probe in ISA_PROBES.items()
+             if getattr(torch.cpu, probe, lambda: False)()]
+    return " ".join([torch.backends.cpu.get_cpu_capability(), *found])
+
+
+def cpu_summary() -> str:
+    return f"{cpu_model()}, {cpu_isa()}"
+
+
+def hardware() -> dict[str, str]:
+    """What a benchmark result or a metrics row records about the machine."""
+    return {
+        "cpu_model": cpu_model(),
+        "cpu_isa": cpu_isa(),
+        "torch_version": torch.__version__,
+    }
+
+
+def linear_kernels(model: torch.nn.Module) -> str:
+    """The kernels a model's linears run, e.g. `onednn-packed-bf16` or `aten-float32+int-mm`:
+    a module's `kernel` attribute, else torch's own F.linear at the weight's dtype."""
+    names = {
+        getattr(module, "kernel", None) or f"aten-{str(module.weight.dtype).removeprefix('torch.')}"
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear) or hasattr(module, "kernel")
+    }
+    return "+".join(sorted(names))

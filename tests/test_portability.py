@@ -1,0 +1,140 @@
+"""The engine on the CPUs people have: each fast kernel is probed before use, and every
+fallback runs here whatever this machine's CPU.
+
+Two ways to leave the fast paths: CORPUSGEN_DISABLE_KERNELS turns them off on any CPU, and
+QEMU's user-mode emulator with `-cpu Haswell` presents an AVX2-only CPU to the cpuid checks of
+torch and oneDNN, so the prepacked bf16 kernel refuses with the very error an AVX2 AMD EPYC
+gives, and the engine must fall back on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from engine_helpers import engine_for
+from portable_engine_check import main as check_portable_engine
+
+from generation import kernels
+from generation.kernels import KernelUnavailable
+from generation.packing import Fp32ComputeLinear
+from schemas import DraftSpec, ModelSpec
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture
+def disabled_kernels(monkeypatch):
+    """Set CORPUSGEN_DISABLE_KERNELS for one test, with every probe asked afresh."""
+
+    def disable(names: str) -> None:
+        monkeypatch.setenv(kernels.DISABLE_ENV, names)
+        for probe in kernels.PROBES:
+            probe.cache_clear()
+
+    yield disable
+    monkeypatch.delenv(kernels.DISABLE_ENV, raising=False)
+    for probe in kernels.PROBES:
+        probe.cache_clear()
+
+
+def test_a_disabled_kernel_reports_why_and_an_unknown_name_is_refused(disabled_kernels):
+    disabled_kernels(f"{kernels.ONEDNN_PACKED_BF16}, {kernels.INT_MM}")
+    assert kernels.packed_bf16() == kernels.Probe(False, f"disabled by {kernels.DISABLE_ENV}")
+    assert not kernels.int_mm().available
+    disabled_kernels("avx512")
+    with pytest.raises(ValueError, match="unknown kernels \\['avx512'\\]; known: onednn-packed"):
+        kernels.packed_bf16()
+
+
+def test_the_cpu_is_named_by_model_and_isa():
+    hardware = kernels.hardware()
+    assert hardware["cpu_model"] and hardware["torch_version"].startswith("2.")
+    level, *extensions = hardware["cpu_isa"].split()
+    assert level in ("DEFAULT", "AVX2", "AVX512", "ZVECTOR", "VSX", "SVE256")
+    assert set(extensions) <= set(kernels.ISA_PROBES)
+
+
+def test_without_the_packed_kernel_a_bf16_engine_runs_torchs_linear_and_stays_exact(
+    disabled_kernels, tiny_llama_small_vocab_dir
+):
+    """As on a CPU without AVX-512: bf16 targets and drafts compute their linears in fp32;
+    greedy and seeded speculation still give plain decoding's tokens, with every draft."""
+    disabled_kernels(kernels.ONEDNN_PACKED_BF16)
+    result = check_portable_engine(str(tiny_llama_small_vocab_dir))
+    assert result["kernels"] == {
+        "plain": "target=fp32-compute",
+        "quantized-bf16": "target=fp32-compute draft=fp32-compute",
+        "quantized-int8": "target=fp32-compute draft=fbgemm-int8",
+    }
+    assert all(result["identical"].values()), result["identical"]
+    assert all(result["rounds"].values()), result["rounds"]
+
+
+def test_an_int8_draft_without_fbgemm_is_refused_naming_the_kernel_and_the_way_out(
+    disabled_kernels, tiny_llama_dir
+):
+    disabled_kernels(kernels.FBGEMM_INT8)
+    with pytest.raises(KernelUnavailable, match="an int8 draft needs a kernel") as refused:
+        engine_for(tiny_llama_dir, draft=DraftSpec(kind="quantized", dtype="int8"))
+    assert "CPU: " in str(refused.value) and "draft.kind: prompt_lookup" in str(refused.value)
+    bf16_draft = engine_for(tiny_llama_dir, draft=DraftSpec(kind="quantized", dtype="bfloat16"))
+    draft_kernel = bf16_draft.hardware_info["cpu_kernels"].split("draft=")[1]
+    assert draft_kernel in (kernels.ONEDNN_PACKED_BF16, "fp32-compute")
+
+
+
+
+def test_an_int8_target_without_int_mm_is_refused(disabled_kernels, tiny_llama_dir):
+    disabled_kernels(kernels.INT_MM)
+    target = ModelSpec(path=str(tiny_llama_dir), quantize="int8")
+    with pytest.raises(KernelUnavailable, match=r"an int8 target .*\(remove quantize\)"):
+        engine_for(tiny_llama_dir, target=target)
+
+
+def test_the_fallback_keeps_bf16_weights_values_and_computes_in_fp32():
+    torch.manual_seed(0)
+    bf16 = torch.nn.Linear(96, 160).to(torch.bfloat16)
+    linear = Fp32ComputeLinear(bf16)
+    assert linear.weight.dtype == torch.float32
+    assert torch.equal(linear.weight, bf16.weight.float())  # the bf16 model's values
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    expected = torch.nn.functional.linear(x.float(), bf16.weight.float(), bf16.bias.float())
+    assert torch.equal(linear(x), expected.to(torch.bfloat16))
+
+
+QEMU = shutil.which("qemu-x86_64")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    QEMU is None,
+    reason="needs qemu-user to emulate an AVX2-only CPU: bash tests/ensure_debian_packages.sh "
+    "(make test runs it)",
+)
+def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact(
+    tiny_llama_small_vocab_dir,
+):
+    """The real refusal, not a switch: under `qemu-x86_64 -cpu Haswell` oneDNN's prepacked
+    bf16 kernel raises its AVX-512 error in the probe, and the same checks as above pass."""
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+    env.pop(kernels.DISABLE_ENV, None)
+    done = subprocess.run(
+        [QEMU, "-cpu", "Haswell", sys.executable, str(TESTS / "portable_engine_check.py"),
+         str(tiny_llama_small_vocab_dir)],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["cpu_isa"] == "AVX2 avx2"
+    assert "avx512bw" in result["probes"][kernels.ONEDNN_PACKED_BF16]
+    assert result["probes"][kernels.FBGEMM_INT8] == "probe passed"
+    assert result["kernels"]["quantized-int8"] == "target=fp32-compute draft=fbgemm-int8"
+    assert all(result["identical"].values()), result["identical"]
+    assert "kernel onednn-packed-bf16 unavailable, using the fallback" in done.stderr
