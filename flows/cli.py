@@ -30,13 +30,18 @@ SetOption = Annotated[
 
 
 @app.callback()
-def _commands() -> None:
-    """Keeps `corpusgen <command>` a command group even while only one command is registered."""
+def _commands(
+    debug: Annotated[
+        bool, typer.Option("--debug", help="print full tracebacks instead of one-line errors")
+    ] = False,
+) -> None:
+    """Generate synthetic corpora with a static-shape speculative-decoding engine."""
+    console_output.DEBUG[0] = debug
 
 
 def _fail(error: Exception | str, status: int = 2) -> typer.Exit:
     """Print an error the user can fix as one unwrapped line (paths stay greppable) and exit
-    with `status` (2: bad config or input, 1: the run failed)."""
+    with `status` (2: bad config or input, 1: the run failed, 128 + n: stopped by signal n)."""
     console.print(str(error), style="red", soft_wrap=True, markup=False)
     return typer.Exit(status)
 
@@ -49,20 +54,29 @@ def _load(source: Path | dict[str, Any], overrides: list[str]) -> RunConfig:
 
 
 def _generate(config: RunConfig) -> None:
+    """Run the generate-corpus flow in a thread: the main thread stays free for the signal
+    handlers that turn Ctrl-C / SIGTERM into an orderly stop (Prefect installs its own only
+    on the main thread)."""
     from flows.generate import generate_corpus
-    from tasks.planning import list_input_files
-    from tasks.storage import filesystem
+    from flows.local_server import ServerFailed, prefect_api
+    from tasks import stopping
+    from tasks.planning import check_paths
 
     console_output.quiet_prefect_logs()
+    stopping.reset()
     try:
-        list_input_files(*filesystem(config.input.uri, config.storage))  # before Prefect starts
-        summary = console_output.run_with_progress(
-            config, lambda: generate_corpus(config.model_dump(mode="json"))
-        )
+        check_paths(config)  # a path the operator must fix: one line, before Prefect starts
+        with prefect_api() as server, console_output.stop_on_signals(server):
+            summary = console_output.run_with_progress(
+                config,
+                lambda: console_output.in_thread(generate_corpus, config.model_dump(mode="json")),
+            )
     except Exception as error:
         console_output.stop_info_logs()
-        explained = console_output.explain(error, config)
-        if explained is None:
+        explained = (str(error), 1) if isinstance(error, ServerFailed) else (
+            console_output.explain(error, config)
+        )
+        if explained is None or console_output.DEBUG[0]:
             raise
         raise _fail(*explained) from None
     console_output.stop_info_logs()
@@ -77,31 +91,51 @@ def run(config: ConfigArg, set_: SetOption = None) -> None:
 
 @app.command()
 def plan(config: ConfigArg, set_: SetOption = None) -> None:
-    """Print the shard plan (shards, estimated rows, buckets) without generating or writing."""
+    """Print the shard plan (shards, estimated rows, buckets) and what is left to generate,
+    without generating or writing."""
+    from tasks.commit import committed_shard_ids
+    from tasks.duplicates import with_duplicates
+    from tasks.layout import run_layout
     from tasks.planning import InputError, plan_shards
     from tasks.storage import filesystem
 
     run_config = _load(config, set_ or [])
     input_fs, input_path = filesystem(run_config.input.uri, run_config.storage)
     try:
-        shards = plan_shards(input_fs, run_config, input_path)
+        shards = with_duplicates(input_fs, plan_shards(input_fs, run_config, input_path),
+                                 run_config.input)
     except InputError as error:
         raise _fail(error) from None
     grid = run_config.generation.engine.bucket_grid
-    table = Table(title=f"run {run_config.resolved_run_id()}: {len(shards)} shards")
-    for column in ("shard_id", "source", "format", "range", "est. rows", "batches"):
+    committed = committed_shard_ids(run_layout(run_config))
+    run_id = run_config.resolved_run_id()
+    table = Table(title=f"run {run_id}: {len(shards)} shards")
+    for column in ("shard_id", "source", "format", "range", "est. rows", "batches", "state"):
         table.add_column(column)
     for shard in shards:
         batches = -(-shard.estimated_rows // grid.max_batch)
+        state = "committed" if shard.shard_id in committed else "to generate"
         table.add_row(shard.shard_id, shard.source, shard.format, f"{shard.start}-{shard.end}",
-                      str(shard.estimated_rows), str(batches))
+                      str(shard.estimated_rows), str(batches), state)
     console.print(table)
     console.print(
         f"estimated rows: {sum(s.estimated_rows for s in shards)}; buckets: batch "
         f"{grid.batch_sizes}, prompt {grid.prompt_lengths}, cache {grid.cache_lengths}, "
         f"draft K {grid.draft_lengths}; output: {run_config.output}"
     )
-    _print_estimate(run_config, shards)
+    duplicates = sum(len(shard.duplicates) for shard in shards)
+    if duplicates:
+        console.print(f"duplicate ids: {duplicates} later copies will be error rows "
+                      "(duplicate_id), each naming where its id was first used")
+    left = [shard for shard in shards if shard.shard_id not in committed]
+    if not left:
+        console.print(f"run {run_id} is complete: all {len(shards)} shards are committed; "
+                      "0 rows left to generate, $0")
+        return
+    if committed:
+        console.print(f"{len(shards) - len(left)} of {len(shards)} shards already committed; "
+                      f"the estimates below cover the {len(left)} left")
+    _print_estimate(run_config, left)
 
 
 def _print_estimate(config: RunConfig, shards: list) -> None:
@@ -115,7 +149,7 @@ def _print_estimate(config: RunConfig, shards: list) -> None:
         console.print(f"no estimates: cannot load the target's tokenizer ({error})",
                       style="yellow", soft_wrap=True, markup=False)
         return
-    for line in estimate_lines(estimate_run(config, shards, tokenizer)):
+    for line in estimate_lines(estimate_run(config, shards, tokenizer), config):
         console.print(line, soft_wrap=True, markup=False)
 
 

@@ -4,6 +4,7 @@
 Both take the config as a dict or a path to a YAML/JSON file (deployment parameters are JSON).
 """
 
+import signal
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ from typing import Any
 from prefect import flow, get_client, task
 from prefect.cache_policies import NO_CACHE
 from prefect.concurrency.sync import concurrency
+from prefect.exceptions import TerminationSignal
 from prefect.logging import get_run_logger
+from prefect.states import Cancelled, State
 
 from schemas.run import RunConfig, parse_run_config
 from tasks.commit import (
@@ -22,12 +25,15 @@ from tasks.commit import (
     verify_committed,
 )
 from tasks.dispatch import RunProgress, dispatch_deployments, dispatch_local, shard_task
+from tasks.duplicates import with_duplicates
 from tasks.failures import RunFailed, run_failure_message, state_failure
-from tasks.planning import Plan, new_plan, plan_shards, write_plan
+from tasks.layout import run_layout
+from tasks.planning import Plan, check_unchanged, new_plan, plan_shards, write_plan
 from tasks.quality import enforce_quality
 from tasks.run_summary import publish_summary_artifacts, summarize_run
 from tasks.scheduling import CostBudget
-from tasks.shard import run_layout, shard_spend
+from tasks.shard import shard_spend
+from tasks.stopping import request_stop, stop_requested, stop_signal
 from tasks.storage import filesystem
 
 # No postponed annotations in this module: Prefect builds the flows' parameter models from these
@@ -41,7 +47,7 @@ def plan_run(config: RunConfig) -> Plan:
     """Plan the shards and record the plan in the output before any generation."""
     layout = run_layout(config)
     input_fs, input_path = filesystem(config.input.uri, config.storage)
-    shards = plan_shards(input_fs, config, input_path)
+    shards = with_duplicates(input_fs, plan_shards(input_fs, config, input_path), config.input)
     return write_plan(layout, new_plan(layout, config, shards))
 
 
@@ -64,9 +70,21 @@ def accelerator_slot(config: RunConfig):
     )
 
 
+def stopped_message(layout, planned: int) -> str:
+    """What an interrupted run kept, and how to finish it."""
+    signum = stop_signal()
+    cause = signal.Signals(signum).name if signum else "a stop request"
+    return (
+        f"run {layout.run_id} stopped on {cause}: {len(committed_shard_ids(layout))} of "
+        f"{planned} shards committed and kept; shards in flight were abandoned before their "
+        "commit. Rerun the same config to resume"
+    )
+
+
 @flow(name="generate-corpus")
-def generate_corpus(config: ConfigSource) -> dict[str, Any]:
-    """Plan -> one task per shard (bounded by accelerator slots and the cost cap) -> summary."""
+def generate_corpus(config: ConfigSource) -> dict[str, Any] | State:
+    """Plan -> one task per shard (bounded by accelerator slots and the cost cap) -> summary.
+    A stop request (Ctrl-C in the CLI, a cancel from Prefect) ends it Cancelled."""
     run = load_config(config)
     logger = get_run_logger()
     plan = plan_run(run)
@@ -82,16 +100,23 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any]:
     progress = RunProgress(layout, plan, CostBudget(run.cost_cap_usd))
     for shard_id in sorted(committed):
         progress.budget.record(shard_spend(read_manifest(layout, shard_id)))
-    if run.dispatch.mode == "local":
-        # One process, one engine: accelerator_slots bounds shards in flight here. No global
-        # slot: ephemeral servers run no lease repossessor, so a SIGKILLed local run would
-        # hold it forever and block its own resume.
-        unscheduled = dispatch_local(run, pending, progress)
-    else:
-        ensure_accelerator_limit(run)
-        unscheduled = dispatch_deployments(run, pending, progress)
+    try:
+        if run.dispatch.mode == "local":
+            # One process, one engine: accelerator_slots bounds shards in flight here. No
+            # global slot: ephemeral servers run no lease repossessor, so a SIGKILLed local
+            # run would hold it forever and block its own resume.
+            unscheduled = dispatch_local(run, pending, progress)
+        else:
+            ensure_accelerator_limit(run)
+            unscheduled = dispatch_deployments(run, pending, progress)
+    except TerminationSignal:  # Prefect cancels this flow run: shards in threads stop too
+        request_stop(signal.SIGTERM)
+        raise
+    if stop_requested():
+        return Cancelled(message=stopped_message(layout, len(plan.shards)))
     finish_publishes(layout)
     sweep_losing_attempts(layout)
+    check_unchanged(filesystem(run.input.uri, run.storage)[0], plan.shards, layout.run_id)
     broken = verify_committed(layout)
     summary = summarize_run(layout, run.output, plan, len(unscheduled), list(progress.failed))
     publish_summary_artifacts(summary, run.pricing.usd_per_hour(), run.pricing.device_type)
@@ -119,11 +144,13 @@ def generate_shards(config: ConfigSource, shard_ids: list[str]) -> list[dict[str
         ) from None
     task_with_options = shard_task(run)
     ensure_accelerator_limit(run)  # idempotent; lets a batch run without its parent too
+    shards = plan.select(shard_ids)
     with accelerator_slot(run):
-        states = [
-            task_with_options(run, layout.run_date, shard, return_state=True)
-            for shard in plan.select(shard_ids)
-        ]
+        states = [task_with_options(run, layout.run_date, shard, return_state=True)
+                  for shard in shards]
+        for i, shard in enumerate(shards):  # another live run had these: wait for them
+            if states[i].is_completed() and states[i].result().status == "leased":
+                states[i] = task_with_options(run, layout.run_date, shard, True, return_state=True)
     failed = {shard_id: state_failure(state)
               for shard_id, state in zip(shard_ids, states, strict=True)
               if not state.is_completed()}

@@ -19,7 +19,10 @@ from tasks.report_tables import print_report
 from tasks.reporting import (
     NoMetricsError,
     build_report,
+    normalize_uri,
     open_committed_metrics,
+    output_filesystem,
+    read_plans,
     report_rows,
     views_sql,
 )
@@ -99,7 +102,8 @@ def report(
     except (NoMetricsError, UnknownDeviceError, ValueError) as exc:
         typer.secho(f"error: {exc}", err=True, fg="red")
         raise typer.Exit(2) from None
-    result = build_report(con)
+    result = build_report(con, read_plans(output_filesystem(output_uri, options),
+                                          normalize_uri(output_uri)))
     if output_format is ReportFormat.json:
         typer.echo(json.dumps({"source": output_uri, **result}, default=_jsonable, indent=2))
     elif output_format is ReportFormat.csv:

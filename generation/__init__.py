@@ -2,6 +2,6 @@
 
 from generation.engine import ENGINE_VERSION, Engine
 from generation.metrics import EngineStats
-from generation.types import Completion
+from generation.types import Completion, GenerationStopped
 
-__all__ = ["ENGINE_VERSION", "Completion", "Engine", "EngineStats"]
+__all__ = ["ENGINE_VERSION", "Completion", "Engine", "EngineStats", "GenerationStopped"]

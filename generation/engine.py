@@ -10,13 +10,13 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from generation import loading
+from generation import kernels, loading
 from generation.device import resolve_device
 from generation.draft_stop import DraftStopper, RoundPrices
 from generation.metrics import DraftLengthChooser, EngineStats
@@ -33,12 +33,13 @@ from generation.schedule import (
     slots_to_fill,
     step_width,
 )
-from generation.types import Completion
+from generation.types import Completion, GenerationStopped
 from schemas import EngineConfig, ModelSpec, SamplingParams
 
 ENGINE_VERSION = "0.1.0"
 Prompt = str | list[dict] | list[int] | torch.Tensor  # a tensor: 1-D integer token ids
 PROMPT_KINDS = "a prompt is a string, a list of chat messages, a list of token ids or a 1-D tensor"
+REPLACEMENT = "\ufffd"  # what a tokenizer decodes incomplete UTF-8 bytes to
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -150,7 +151,6 @@ class Engine:
         self.chooser = DraftLengthChooser(self.grid.draft_lengths, fixed)
         early = config.stop_drafting_early and proposer is not None
         self.stopper = DraftStopper() if early else None  # used while K is auto
-        # Room for a verify round is kept with or without a draft, so both stop at one length.
         self.max_draft = self.grid.draft_lengths[-1]
         self._stop_ids = target.eos_ids  # plus the call's stop_token_ids, set per generate()
         self.reset_stats()
@@ -207,6 +207,19 @@ class Engine:
             "target_weights_sha256": self.target_loaded.weights_sha256,
             "draft_model": self.config.draft_model_name(),
             "draft_weights_sha256": self.draft_loaded.weights_sha256 if self.draft_loaded else None,
+        }
+
+    @property
+    def hardware_info(self) -> dict:
+        """For the metrics: the linear kernels each model runs (on CPU), and the CPU."""
+        roles = [("target", self.target)] + (
+            [("draft", self._draft_runner)] if self._draft_runner else []
+        )
+        on_cpu = self.device.type == "cpu"
+        return {
+            "cpu_kernels": " ".join(f"{role}={r.kernels}" for role, r in roles) if on_cpu else None,
+            "cpu_model": kernels.cpu_model(),
+            "cpu_isa": kernels.cpu_isa(),
         }
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -298,8 +311,14 @@ class Engine:
 
     # ---- generation ------------------------------------------------------------------------
     def generate(
-        self, prompts: Sequence[Prompt], params: SamplingParams, seeds: Sequence[int] | None = None
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[Completion]:
+        """One completion per prompt, in order. `should_stop` is asked before every step:
+        True abandons the call (GenerationStopped), e.g. on Ctrl-C."""
         started = time.perf_counter()
         _check_seeds(seeds, len(prompts))
         self._stop_ids = self.target_loaded.eos_ids | set(params.stop_token_ids)
@@ -321,6 +340,8 @@ class Engine:
         slots: list[_Row | None] = [None] * capacity
         self._stats.batch_bucket_max = max(self._stats.batch_bucket_max, capacity if waiting else 0)
         while waiting or any(slots):
+            if should_stop is not None and should_stop():
+                raise GenerationStopped(f"stopped with {len(waiting)} prompts not started")
             self._refill(slots, waiting, params)
             self._collect(slots, results, params)
             if not any(slots):
@@ -530,14 +551,15 @@ class Engine:
 
     def _append(self, row: _Row, new_tokens: list[int], params: SamplingParams) -> None:
         """Commit tokens to a row, stopping at EOS / stop ids / stop strings / length limits."""
-        room = self.grid.max_cache - self.max_draft - 1
         for token in new_tokens:
             row.tokens.append(token)
             self._stats.tokens_generated += 1
             if token in self._stop_ids or (params.stop and self._hit_stop_string(row, params.stop)):
                 row.finish = "stop"
-            elif len(row.generated) >= params.max_new_tokens or len(row.tokens) >= room:
+            elif len(row.generated) >= params.max_new_tokens:
                 row.finish = "length"
+            elif len(row.tokens) >= self.grid.max_context:
+                row.finish = "cache_full"
             if row.finish:
                 return
 
@@ -559,9 +581,13 @@ class Engine:
         cuts = [text.find(s) for s in stops if s in text]
         if cuts:  # like vLLM, the stop string itself is not part of the text
             text = text[: min(cuts)]
+        # A row cut by a limit may end inside a multi-byte character, which decodes to U+FFFD:
+        # drop that partial character rather than publish a replacement mark.
+        trimmed = row.finish in ("length", "cache_full") and text.endswith(REPLACEMENT)
         return Completion(
             token_ids=list(row.generated),
-            text=text,
+            text=text.rstrip(REPLACEMENT) if trimmed else text,
+            trimmed_partial_character=trimmed,
             finish_reason=row.finish,
             prompt_tokens=row.prompt_len,
             rounds=row.rounds,

@@ -5,7 +5,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-FinishReason = Literal["stop", "length", "error"]
+# stop: EOS / a stop string or id; length: max_new_tokens reached; cache_full: the row reached
+# the largest cache bucket first; error: the prompt was refused (see `error`).
+FinishReason = Literal["stop", "length", "cache_full", "error"]
+
+
+class GenerationStopped(RuntimeError):
+    """generate() was asked to stop between steps; its rows are dropped unfinished."""
 
 
 @dataclass
@@ -15,6 +21,9 @@ class Completion:
     finish_reason: FinishReason
     prompt_tokens: int
     error: str | None = None
+    # The text's incomplete last character (a row cut mid multi-byte character) was dropped;
+    # token_ids keep every token.
+    trimmed_partial_character: bool = False
     # Speculation counters for this completion (zero with draft=None).
     rounds: int = 0
     proposed: int = 0

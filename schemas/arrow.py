@@ -134,5 +134,27 @@ METRICS_SCHEMA = pa.schema(
             pa.float64(),
             metadata={"doc": "plain_seconds_estimate x device_count / 3600 x price"},
         ),
+        pa.field(
+            "cpu_kernels",
+            pa.string(),
+            metadata={"doc": "linear kernels each model ran on CPU, e.g. "
+                             "target=onednn-packed-bf16 draft=fbgemm-int8; null off CPU"},
+        ),
+        pa.field("cpu_model", pa.string(), metadata={"doc": "the worker's CPU model name"}),
+        pa.field(
+            "cpu_isa",
+            pa.string(),
+            metadata={"doc": "torch's vector ISA level and extensions, e.g. AVX2 avx2"},
+        ),
+        pa.field(
+            "cache_full_rows",
+            pa.int64(),
+            metadata={"doc": "ok rows cut by the largest cache bucket (finish_reason cache_full)"},
+        ),
+        pa.field(
+            "partial_character_rows",
+            pa.int64(),
+            metadata={"doc": "ok rows cut mid multi-byte character: that character was dropped"},
+        ),
     ]
 )

@@ -33,8 +33,11 @@ class ModelSpec(_Strict):
     file (dequantised once and cached as safetensors), or `packaged:<name>` (PACKAGED_MODELS).
     """
 
-    path: str
-    dtype: DType = "float32"
+    path: str = Field(
+        description="a Hugging Face directory, a .gguf file, or packaged:<name> "
+        f"({', '.join(PACKAGED_MODELS)})"
+    )
+    dtype: DType = Field("float32", description="weights and activations")
     quantize: Literal["int8"] | None = Field(
         None,
         description="int8: linears as int8 weights x per-row int8 activations, an exact integer "
@@ -64,8 +67,11 @@ class DraftSpec(_Strict):
     kind="prompt_lookup": copy the continuation of the last n-gram match in the prompt/text so far.
     """
 
-    kind: Literal["model", "quantized", "prompt_lookup"]
-    model: ModelSpec | None = None
+    kind: Literal["model", "quantized", "prompt_lookup"] = Field(
+        description="model: a smaller model with the target's tokenizer; quantized: the "
+        "target at lower precision; prompt_lookup: copies n-grams of the prompt and text"
+    )
+    model: ModelSpec | None = Field(None, description="kind=model: the draft model")
     dtype: Literal["int8", "bfloat16"] | None = Field(
         None,
         description="int8: W8A8 dynamic on x86. kind=quantized: int8 (the default) or "
@@ -74,11 +80,11 @@ class DraftSpec(_Strict):
     compile: bool | None = Field(
         None,
         description="torch.compile(dynamic=False) the draft's forwards; None: as "
-        "EngineConfig.compile. On CPU an int8 draft gains (Qwen2.5-Coder-0.5B step 36.8 -> "
-        "29.7 ms, bench v7) while a oneDNN-packed bf16 target runs faster eager",
+        "EngineConfig.compile. On CPU an int8 draft gains from it where a packed bf16 target "
+        "runs fastest eager (bench/README.md)",
     )
-    ngram_max: int = Field(3, ge=1, le=8)
-    ngram_min: int = Field(1, ge=1, le=8)
+    ngram_max: int = Field(3, ge=1, le=8, description="prompt_lookup: longest n-gram matched")
+    ngram_min: int = Field(1, ge=1, le=8, description="prompt_lookup: shortest n-gram matched")
 
     @model_validator(mode="after")
     def _model_iff_kind_model(self) -> DraftSpec:
@@ -107,9 +113,14 @@ def _ascending_unique(values: list[int], name: str) -> list[int]:
 class BucketGrid(_Strict):
     """The static shapes every forward is padded to, so compiled / HPU graphs are reused."""
 
-    batch_sizes: list[int] = [1, 2, 4, 8]
-    prompt_lengths: list[int] = [32, 64, 128, 256]
-    cache_lengths: list[int] = [128, 256, 512]
+    batch_sizes: list[int] = Field([1, 2, 4, 8], description="rows per forward")
+    prompt_lengths: list[int] = Field(
+        [32, 64, 128, 256], description="prefill lengths; a longer prompt is an error row"
+    )
+    cache_lengths: list[int] = Field(
+        [128, 256, 512], description="KV cache lengths attended; the largest bounds prompt + "
+        "completion (a row reaching it ends with finish_reason cache_full)"
+    )
     draft_lengths: list[int] = Field(default=[2, 4, 6], description="K values speculation may use")
 
     @field_validator("batch_sizes", "prompt_lengths", "cache_lengths", "draft_lengths")
@@ -139,12 +150,18 @@ class BucketGrid(_Strict):
     def max_cache(self) -> int:
         return self.cache_lengths[-1]
 
+    @property
+    def max_context(self) -> int:
+        """Prompt + generated tokens a row may reach: the largest cache bucket, less room for
+        the widest verify round (kept with or without a draft, so both stop at one length)."""
+        return self.max_cache - self.draft_lengths[-1] - 1
+
 
 class EngineConfig(_Strict):
     """Everything needed to build an `Engine`."""
 
-    target: ModelSpec
-    draft: DraftSpec | None = None
+    target: ModelSpec = Field(description="the model whose distribution the output follows")
+    draft: DraftSpec | None = Field(None, description="None: plain decoding")
     num_draft_tokens: int | Literal["auto"] = Field(
         "auto", description="K per speculation round: one of bucket_grid.draft_lengths, or auto"
     )
@@ -153,7 +170,9 @@ class EngineConfig(_Strict):
         description="K auto: each round drafts up to the largest K and ends at a smaller grid "
         "K where the draft's confidence (prompt lookup: its n-gram match) says more would not pay",
     )
-    device: Literal["auto", "cpu", "cuda", "hpu"] = "auto"
+    device: Literal["auto", "cpu", "cuda", "hpu"] = Field(
+        "auto", description="auto: a Gaudi card, else CUDA, else the CPU"
+    )
     bucket_grid: BucketGrid = BucketGrid()
     compile: bool = Field(False, description="torch.compile(dynamic=False) on cpu/cuda")
     hpu_graphs: bool = Field(True, description="wrap_in_hpu_graph on Gaudi")
@@ -204,13 +223,13 @@ class EngineConfig(_Strict):
 class SamplingParams(_Strict):
     """How to pick tokens. temperature 0 means greedy."""
 
-    max_new_tokens: int = Field(64, ge=1)
+    max_new_tokens: int = Field(64, ge=1, description="tokens per completion at most")
     temperature: float = Field(0.0, ge=0.0, description=f"0 (greedy) or >= {MIN_TEMPERATURE}")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling; 1 disables it")
     top_k: int = Field(0, ge=0, description="0 disables top-k")
-    stop: list[str] = []
-    stop_token_ids: list[int] = []
-    seed: int = 0
+    stop: list[str] = Field([], description="strings that end a completion (not kept)")
+    stop_token_ids: list[int] = Field([], description="token ids that end a completion")
+    seed: int = Field(0, description="engine API only: the pipeline seeds each record itself")
     verification: Literal["coupled", "rejection"] = Field(
         "coupled",
         description="coupled: per-position seeded noise, a completion is the same with any "

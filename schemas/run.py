@@ -43,14 +43,23 @@ class InputSpec(_Strict):
     uri: str = Field(description="file, directory or glob; local path or s3://bucket/key")
     format: InputFormat = Field("auto", description="auto = from the file extension")
     id_field: str | None = Field(None, description="stable record id; default source:offset")
-    prompt_field: str | None = None
-    template: str | None = None
-    messages_field: str | None = None
+    prompt_field: str | None = Field(None, description="the field holding a plain-text prompt")
+    template: str | None = Field(
+        None, description="a prompt made of the record's fields: `Summarise {title}: {body}`"
+    )
+    messages_field: str | None = Field(
+        None, description="the field holding a chat: a list of {role, content} messages"
+    )
     chat_template: Literal["auto", "off"] = Field(
         "auto", description="auto: plain prompts go through the tokenizer's chat template if any"
     )
     system_prompt: str | None = Field(
         None, description="system message for plain prompts sent through the chat template"
+    )
+    on_invalid_utf8: Literal["error", "replace"] = Field(
+        "error",
+        description="a JSONL line that is not UTF-8: an error row `invalid_utf8` naming its "
+        "byte offset, or read with U+FFFD in place of the bad bytes",
     )
 
     @model_validator(mode="after")
@@ -95,6 +104,8 @@ def template_fields(template: str) -> list[str]:
 
 
 class GenerationSpec(_Strict):
+    """What generates: the engine (models, shapes) and how it samples."""
+
     engine: EngineConfig
     sampling: SamplingParams = SamplingParams()
     warmup: bool = Field(True, description="compile/run every grid shape once per worker")
@@ -104,13 +115,21 @@ class GenerationSpec(_Strict):
 
 
 class ShardingSpec(_Strict):
-    rows_per_shard: int = Field(256, ge=1, description="target rows per shard")
+    """How the input is cut into shards: one Prefect task and one commit each."""
+
+    rows_per_shard: int = Field(
+        256, ge=1, description="a target, not an exact count: JSONL is cut at byte offsets "
+        "sized from a sample of its lines (shards vary with line lengths), Parquet at whole "
+        "row groups, a .gz file is one shard",
+    )
 
 
 class StorageSpec(_Strict):
     """How to reach object storage. Holds no secrets: only where to find them."""
 
-    endpoint_url: str | None = None
+    endpoint_url: str | None = Field(
+        None, description="an S3-compatible endpoint (MinIO, a moto server); None: AWS"
+    )
     key_env: str = Field("AWS_ACCESS_KEY_ID", description="env var holding the access key")
     secret_env: str = Field("AWS_SECRET_ACCESS_KEY", description="env var holding the secret")
     prefect_secret_block: str | None = Field(
@@ -119,6 +138,8 @@ class StorageSpec(_Strict):
 
 
 class PricingSpec(_Strict):
+    """What a device-hour costs, for cost per 1M tokens (prices are configuration)."""
+
     device_type: str = Field("cpu", description="key into the price table")
     usd_per_device_hour: float | None = Field(None, ge=0, description="overrides the price table")
     prices_file: str | None = Field(
@@ -146,12 +167,19 @@ class DispatchSpec(_Strict):
     """local: shard tasks run in this flow's process. deployment: batches of shards are sent to
     a `generate_shards` deployment (one flow run per batch, e.g. one pod per accelerator)."""
 
-    mode: Literal["local", "deployment"] = "local"
-    deployment: str = "generate-shards/default"
-    shards_per_run: int = Field(4, ge=1)
+    mode: Literal["local", "deployment"] = Field(
+        "local", description="local: shards run in this flow's process; deployment: batches "
+        "of shards go to `dispatch.deployment`'s workers"
+    )
+    deployment: str = Field(
+        "generate-shards/default", description="the generate_shards deployment (flow/name)"
+    )
+    shards_per_run: int = Field(4, ge=1, description="shards per deployment flow run")
 
 
 class RunConfig(_Strict):
+    """A corpus run: input, generation, output and what it may cost."""
+
     input: InputSpec
     generation: GenerationSpec
     output: str = Field(description="output root, local path or s3://bucket/prefix")
@@ -164,7 +192,7 @@ class RunConfig(_Strict):
     concurrency_limit: str = Field(
         "corpusgen-accelerators", description="Prefect global concurrency limit name"
     )
-    seed: int = 0
+    seed: int = Field(0, description="with each record's id, seeds its sampling (stable reruns)")
     max_error_fraction: float = Field(
         0.5, ge=0, le=1, description="fail the run when more of its rows are error rows"
     )
@@ -172,14 +200,21 @@ class RunConfig(_Strict):
         0.5, ge=0, le=1, description="fail the run when more of its completions are blank"
     )
     pricing: PricingSpec = PricingSpec()
-    cost_cap_usd: float | None = Field(None, gt=0)
+    cost_cap_usd: float | None = Field(
+        None, gt=0, description="no new shard starts once the projected cost would pass it"
+    )
     dispatch: DispatchSpec = DispatchSpec()
-    shard_timeout_seconds: float = Field(3600, gt=0)
+    shard_timeout_seconds: float = Field(3600, gt=0, description="a shard task's time limit")
     shard_retries: int = Field(2, ge=0, description="retries on I/O errors, exponential backoff")
+    shard_lease_seconds: float = Field(
+        120, ge=1, description="a shard's lease: a second run of this config skips a shard "
+        "leased by a live run, and takes it over once the lease expires (its holder died)",
+    )
     run_id: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_-]+$",
-        description="default: derived from what determines the output, so reruns resume",
+        description="default: derived from what determines the output, so reruns resume; "
+        "set one to start a separate run (`--set run_id=nightly-2`)",
     )
 
     def resolved_run_id(self) -> str:

@@ -156,7 +156,10 @@ def _remove(fs: AbstractFileSystem, directory: str) -> None:
 
 
 def _published_sizes(layout: RunLayout) -> dict[str, int]:
-    """Path -> size of every published file of the run: one listing per kind."""
+    """Path -> size of every published file of the run: one fresh listing per kind. s3fs
+    caches listings: another process publishing since an earlier listing (a rerun beside a
+    cancelled run's workers) made a stale one say a published file did not exist."""
+    layout.fs.invalidate_cache()
     sizes: dict[str, int] = {}
     for kind in PUBLISHED_KINDS:
         with contextlib.suppress(FileNotFoundError):
@@ -235,6 +238,7 @@ def verify_committed(layout: RunLayout) -> dict[str, str]:
                 )
             elif kind in manifest.get("rows", {}):
                 expected_rows[path] = (shard_id, manifest["rows"][kind])
+    layout.fs.invalidate_cache()  # opening checks the listing cache; find() may not fill it
     with ThreadPoolExecutor(max_workers=16) as pool:
         counted = dict(zip(expected_rows, pool.map(
             lambda path: _parquet_rows(layout.fs, path), expected_rows), strict=True))

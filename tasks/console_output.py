@@ -3,10 +3,13 @@ one line (not a traceback) for each error a user can fix, as the run's last line
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
+import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from rich.console import Console
@@ -16,13 +19,62 @@ from rich.table import Table
 from schemas.run import RunConfig
 
 console = Console()
+DEBUG = [False]  # `corpusgen --debug`: tracebacks instead of one-line errors
+
+
+def in_thread(function: Callable[..., Any], *args: Any) -> Any:
+    """function(*args) in a thread with this context (Prefect's settings), while the main
+    thread waits in short joins, so signal handlers run at once."""
+    outcome: dict[str, Any] = {}
+    context = contextvars.copy_context()
+
+    def target() -> None:
+        try:
+            outcome["value"] = context.run(function, *args)
+        except BaseException as error:  # handed to the caller, raised there
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, name="corpusgen-run", daemon=True)
+    thread.start()
+    while thread.is_alive():
+        thread.join(0.2)
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
+@contextlib.contextmanager
+def stop_on_signals(server: Any) -> Iterator[None]:
+    """First SIGINT / SIGTERM: no new shard starts, in-flight shards abandon their attempt at
+    their next step, and the run ends Cancelled. A second one quits at once (after stopping
+    the local Prefect server, which runs in its own session)."""
+    from tasks import stopping
+
+    def handle(signum: int, _frame: Any) -> None:
+        name = signal.Signals(signum).name
+        if stopping.stop_requested():
+            console.print(f"{name} again: quitting now; shards in flight commit nothing, and a "
+                          "rerun of the same config resumes", style="red", markup=False)
+            if server is not None:
+                server.stop()
+            os._exit(128 + (stopping.stop_signal() or signum))
+        stopping.request_stop(signum)
+        console.print(f"{name}: stopping; no new shard starts and shards in flight stop at their "
+                      "next step (send it again to quit at once)", style="yellow", markup=False)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def watch_progress(config: RunConfig, stop: threading.Event) -> None:
     """Count committed manifests (works whatever process commits them) into a progress bar."""
     from tasks.commit import committed_shard_ids
+    from tasks.layout import run_layout
     from tasks.planning import Plan
-    from tasks.shard import run_layout
 
     columns = (TextColumn("shards"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     with Progress(*columns, console=console, transient=False) as bar:
@@ -98,11 +150,17 @@ def stop_info_logs() -> None:
 
 
 def explain(error: Exception, config: RunConfig) -> tuple[str, int] | None:
-    """(one line, exit status) for the errors a user can fix; None for anything else (a bug)."""
+    """(one line, exit status) for the errors a user can fix; None for anything else (a bug).
+    A run stopped by a signal exits 128 + its number (130 for Ctrl-C, 143 for SIGTERM)."""
+    from prefect.exceptions import CancelledRun
+
+    from tasks import stopping
     from tasks.failures import RunFailed
     from tasks.planning import InputError
     from tasks.storage import credentials_problem
 
+    if isinstance(error, CancelledRun) and stopping.stop_signal() is not None:
+        return str(error), 128 + stopping.stop_signal()
     if isinstance(error, InputError):
         return str(error), 2
     if isinstance(error, RunFailed):  # it names the shards and their causes (or bad quality)
@@ -110,12 +168,4 @@ def explain(error: Exception, config: RunConfig) -> tuple[str, int] | None:
     uris = (config.input.uri, config.output)
     if (problem := credentials_problem(error, config.storage, uris)) is not None:
         return problem, 2
-    if "ephemeral Prefect API server" in str(error):
-        return (
-            "Prefect's local server did not start within "
-            f"{os.environ['PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS']} s ("
-            f"{str(error).splitlines()[0][:200]}); raise "
-            "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS or set PREFECT_API_URL to a "
-            "running server (`prefect server start`)", 1
-        )
     return None

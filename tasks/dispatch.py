@@ -21,6 +21,7 @@ from tasks.layout import RunLayout
 from tasks.planning import Plan, Shard
 from tasks.scheduling import CostBudget, run_bounded
 from tasks.shard import generate_shard, shard_spend
+from tasks.stopping import stop_requested
 
 
 def shard_task(config: RunConfig):
@@ -58,24 +59,36 @@ class RunProgress:
 
 
 def dispatch_local(config: RunConfig, pending: list[Shard], progress: RunProgress) -> list[Shard]:
+    """Shards as tasks in this process. A shard another live run of the config is generating
+    (its lease is held) is passed over, and waited for once everything else is done."""
     task_with_options, run_date = shard_task(config), progress.layout.run_date
+    leased: list[Shard] = []
 
     def wait_first(futures: list[PrefectFuture]) -> PrefectFuture:
         return next(as_completed(futures))
 
     def on_done(future: PrefectFuture, shard: Shard) -> None:
         future.wait()
+        if future.state.is_completed() and future.result().status == "leased":
+            leased.append(shard)
+            return
         progress.shards_finished([shard], None if future.state.is_completed()
                                  else state_failure(future.state))
 
-    return run_bounded(
-        pending,
-        submit=lambda shard: task_with_options.submit(config, run_date, shard),
-        wait_first=wait_first,
-        on_done=on_done,
-        slots=config.accelerator_slots,
-        budget=progress.budget,
-    )
+    def run(shards: list[Shard], wait_for_lease: bool) -> list[Shard]:
+        return run_bounded(
+            shards,
+            submit=lambda shard: task_with_options.submit(config, run_date, shard, wait_for_lease),
+            wait_first=wait_first,
+            on_done=on_done,
+            slots=config.accelerator_slots,
+            budget=progress.budget,
+            stopping=stop_requested,
+        )
+
+    unscheduled = run(pending, wait_for_lease=False)
+    waited, leased[:] = list(leased), []
+    return unscheduled + run(waited, wait_for_lease=True)
 
 
 def dispatch_deployments(
@@ -110,5 +123,6 @@ def dispatch_deployments(
     left = run_bounded(
         batches, submit, wait_first, on_done,
         slots=config.accelerator_slots, budget=progress.budget, size=len,
+        stopping=stop_requested,
     )
     return [shard for batch in left for shard in batch]

@@ -35,6 +35,7 @@ class Estimate:
     rows: int  # records read
     bad_rows: int  # unreadable, or without a usable prompt
     too_long: int  # prompts longer than the largest prompt bucket
+    cache_full: int  # prompts that fit but leave less room than max_new_tokens in the cache
     prompt_tokens: int  # of the prompts that fit, after templating
     chat_template: str  # chat | raw
     samples: int  # completions to generate (prompts that fit x samples_per_prompt)
@@ -64,8 +65,9 @@ def _history(config: RunConfig) -> dict[str, Any] | None:
 
 def estimate_run(config: RunConfig, shards: list[Shard], tokenizer: Any) -> Estimate:
     input_fs, _ = filesystem(config.input.uri, config.storage)
-    max_prompt = config.generation.engine.bucket_grid.max_prompt
-    rows = bad_rows = too_long = prompt_tokens = fits = 0
+    grid = config.generation.engine.bucket_grid
+    max_prompt, max_new_tokens = grid.max_prompt, config.generation.sampling.max_new_tokens
+    rows = bad_rows = too_long = prompt_tokens = fits = cache_full = 0
     for shard in shards:
         good, bad = read_shard(input_fs, shard, config.input, config.seed)
         rendered, unrenderable = render_records(tokenizer, good, config.input)
@@ -75,6 +77,8 @@ def estimate_run(config: RunConfig, shards: list[Shard], tokenizer: Any) -> Esti
         too_long += sum(1 for n in lengths if n > max_prompt)
         prompt_tokens += sum(n for n in lengths if n <= max_prompt)
         fits += sum(1 for n in lengths if n <= max_prompt)
+        cache_full += sum(1 for n in lengths
+                          if n <= max_prompt and n + max_new_tokens > grid.max_context)
     generation = config.generation
     samples = fits * generation.samples_per_prompt
     max_tokens = samples * generation.sampling.max_new_tokens
@@ -88,11 +92,28 @@ def estimate_run(config: RunConfig, shards: list[Shard], tokenizer: Any) -> Esti
         load = (history["load_seconds"] or 0.0) * engines
         seconds = (expected_tokens / history["tokens_per_second"] + load) * config.devices_per_slot
         cost = seconds / 3600 * config.pricing.usd_per_hour()
-    return Estimate(rows, bad_rows, too_long, prompt_tokens, prompt_format(tokenizer, config.input),
-                    samples, max_tokens, history, expected_tokens, seconds, cost)
+    return Estimate(rows, bad_rows, too_long, cache_full, prompt_tokens,
+                    prompt_format(tokenizer, config.input), samples, max_tokens, history,
+                    expected_tokens, seconds, cost)
 
 
-def estimate_lines(estimate: Estimate) -> list[str]:
+def cache_warning(estimate: Estimate, config: RunConfig) -> str | None:
+    """Rows whose prompt + max_new_tokens pass the largest cache bucket, and what to raise."""
+    if not estimate.cache_full:
+        return None
+    grid = config.generation.engine.bucket_grid
+    new_tokens = config.generation.sampling.max_new_tokens
+    needed = grid.max_prompt + new_tokens + grid.draft_lengths[-1] + 1
+    return (
+        f"warning: {estimate.cache_full} row(s) have prompt + max_new_tokens ({new_tokens}) "
+        f"beyond the largest cache bucket ({grid.max_cache} tokens, {grid.max_context} after "
+        "room for one verify round): they will stop early with finish_reason cache_full. "
+        f"Raise generation.engine.bucket_grid.cache_lengths to include {needed}, or lower "
+        "generation.sampling.max_new_tokens"
+    )
+
+
+def estimate_lines(estimate: Estimate, config: RunConfig) -> list[str]:
     """The estimate in words, for the CLI."""
     e = estimate
     lines = [
@@ -101,6 +122,8 @@ def estimate_lines(estimate: Estimate) -> list[str]:
         f"prompt tokens ({e.chat_template} prompts): {e.prompt_tokens:,}",
         f"generated tokens: at most {e.max_generated_tokens:,}",
     ]
+    if (warning := cache_warning(e, config)) is not None:
+        lines.append(warning)
     if e.history is None:
         lines.append("expected time and cost: no committed runs with this model pair and device "
                      "under this output yet")

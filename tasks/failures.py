@@ -15,6 +15,11 @@ class RunFailed(RuntimeError):
     Its message names the shards and why; what was committed is kept."""
 
 
+class InputChanged(RunFailed):
+    """An input file changed after the run planned it: its shards' byte ranges no longer hold
+    the records the plan counted, so the run fails rather than lose or repeat some."""
+
+
 class EngineLoadError(RuntimeError):
     """The target or draft model could not be loaded: a config or install problem, not I/O."""
 

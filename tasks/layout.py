@@ -4,6 +4,7 @@ because of its leading underscore) holds files not yet committed.
 
     {root}/plan/run_date=D/run_id=R/plan.json
     {root}/manifests/{run_id}.{shard_id}.json      <- the commit point; lists the files below
+    {root}/leases/{run_id}.{shard_id}.{n}.json     <- who generates the shard now (leases.py)
     {root}/_attempts/run_date=D/run_id=R/{shard_id}/{attempt}/{kind}.parquet
     {root}/{data,errors,metrics}/run_date=D/run_id=R/{shard_id}.parquet
 """
@@ -14,6 +15,8 @@ import datetime as dt
 from dataclasses import dataclass
 
 from fsspec import AbstractFileSystem
+
+from schemas.run import RunConfig
 
 PUBLISHED_KINDS = ("data", "errors", "metrics")
 
@@ -49,6 +52,9 @@ class RunLayout:
     def manifest(self, shard_id: str) -> str:
         return f"{self.root}/manifests/{self.run_id}.{shard_id}.json"
 
+    def lease(self, shard_id: str, generation: int | str) -> str:
+        return f"{self.root}/leases/{self.run_id}.{shard_id}.{generation}.json"
+
     def shard_id_of_manifest(self, path: str) -> str:
         return path.rsplit("/", 1)[-1].removeprefix(f"{self.run_id}.").removesuffix(".json")
 
@@ -64,3 +70,11 @@ class RunLayout:
 
     def published_dir(self, kind: str) -> str:
         return self._partition(kind)
+
+
+def run_layout(config: RunConfig) -> RunLayout:
+    """Where the run that `config` determines keeps its files."""
+    from tasks.storage import filesystem
+
+    fs, root = filesystem(config.output, config.storage)
+    return RunLayout.locate(fs, root, config.resolved_run_id())

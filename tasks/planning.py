@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import os
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -19,6 +20,7 @@ from fsspec import AbstractFileSystem
 
 from schemas.run import RunConfig
 from tasks.commit import create_exclusive
+from tasks.failures import InputChanged
 from tasks.layout import RunLayout
 from tasks.storage import is_local
 
@@ -41,6 +43,10 @@ class InputError(ValueError):
     """The input can't be planned (missing, unknown format, unreadable)."""
 
 
+class EmptyInput(InputError):
+    """Every input file is empty: `plan` and `run` both refuse it (exit 2)."""
+
+
 @dataclass(frozen=True)
 class Shard:
     shard_id: str
@@ -52,6 +58,9 @@ class Shard:
     first_row: int  # parquet: index of the shard's first row in its file
     estimated_rows: int
     fingerprint: str
+    # (row, where its id was first seen) for the shard's later copies of an id seen before
+    # in plan order: error rows `duplicate_id` (tasks/duplicates.py)
+    duplicates: tuple[tuple[int, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -60,6 +69,9 @@ class Plan:
     run_date: str
     config_hash: str
     shards: list[Shard]
+    # The run's quality guards, so `corpusgen report` can say whether it passed them.
+    max_error_fraction: float = 0.5
+    max_empty_fraction: float = 0.5
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -67,7 +79,11 @@ class Plan:
     @classmethod
     def from_json(cls, text: str) -> Plan:
         data = json.loads(text)
-        return cls(**{**data, "shards": [Shard(**shard) for shard in data["shards"]]})
+        shards = [
+            Shard(**{**shard, "duplicates": tuple(map(tuple, shard.get("duplicates", ())))})
+            for shard in data["shards"]
+        ]
+        return cls(**{**data, "shards": shards})
 
     def select(self, shard_ids: list[str]) -> list[Shard]:
         by_id = {shard.shard_id: shard for shard in self.shards}
@@ -114,12 +130,76 @@ def list_input_files(fs: AbstractFileSystem, pattern: str) -> tuple[list[str], s
     return sorted(files), root
 
 
+def check_paths(config: RunConfig) -> None:
+    """Before anything runs: every input file opens for reading, not all are empty, and a
+    local output is a writable directory. InputError names the path and the fix (exit 2)."""
+    from tasks.storage import filesystem
+
+    input_fs, input_path = filesystem(config.input.uri, config.storage)
+    files, _ = list_input_files(input_fs, input_path)
+    for path in files:
+        try:
+            with input_fs.open(path, "rb") as file:
+                file.read(1)
+        except OSError as error:
+            raise InputError(
+                f"input file {display_uri(input_fs, path)!r} cannot be read "
+                f"({error.strerror or type(error).__name__}); fix its permissions or input.uri"
+            ) from None
+    if all(input_fs.size(path) == 0 for path in files):
+        raise _empty_input(input_fs, input_path, files)
+    output_fs, output = filesystem(config.output, config.storage)
+    if is_local(output_fs):
+        _check_writable_directory(output)
+
+
+def _check_writable_directory(path: str) -> None:
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise InputError(f"output {path!r} is a file, not a directory; set output to a directory")
+    probe = os.path.join(path, f".corpusgen-write-check-{os.getpid()}")
+    try:
+        os.makedirs(path, exist_ok=True)
+        with open(probe, "wb"):
+            pass
+        os.unlink(probe)
+    except OSError as error:
+        raise InputError(
+            f"output {path!r} is not writable ({error.strerror or type(error).__name__}"
+            f"{f': {error.filename}' if error.filename and error.filename != probe else ''}); "
+            "choose another output or fix its permissions"
+        ) from None
+
+
 def _fingerprint(info: dict) -> str:
     etag = info.get("ETag") or info.get("etag")
     if etag:
         return f"etag:{etag.strip(chr(34))}"
     modified = info.get("mtime") or info.get("LastModified") or info.get("created")
     return f"size:{info['size']}:mtime:{modified}"
+
+
+def check_unchanged(fs: AbstractFileSystem, shards: list[Shard], run_id: str) -> None:
+    """Raise InputChanged when a file the shards were planned from has another fingerprint
+    now (before a shard reads, before it commits, and at the end of a run)."""
+    planned: dict[str, list[Shard]] = {}
+    for shard in shards:
+        planned.setdefault(shard.path, []).append(shard)
+    for path, of_file in planned.items():
+        fs.invalidate_cache(path)
+        try:
+            now = _fingerprint(fs.info(path))
+        except FileNotFoundError:
+            now = "deleted"
+        if now != of_file[0].fingerprint:
+            names = ", ".join(shard.shard_id for shard in of_file[:5])
+            more = f" and {len(of_file) - 5} more" if len(of_file) > 5 else ""
+            raise InputChanged(
+                f"run {run_id}: input file {display_uri(fs, path)!r} changed during the run "
+                f"(planned as {of_file[0].fingerprint}, now {now}); {len(of_file)} shard(s) "
+                f"were planned from the old version: {names}{more}. Committed shards are kept. "
+                "Restore the file to finish this run, or start a new run on the new file "
+                "(--set run_id=<new id>, or another output)"
+            )
 
 
 def _shard_id(path: str, start: int, end: int, fingerprint: str) -> str:
@@ -223,7 +303,16 @@ def plan_shards(fs: AbstractFileSystem, config: RunConfig, input_path: str) -> l
             shards += _plan_gzip(fs, path, source, info["size"], fingerprint)
         else:
             shards += _plan_jsonl(fs, path, source, info["size"], fingerprint, rows_per_shard)
+    if not shards:
+        raise _empty_input(fs, input_path, files)
     return shards
+
+
+def _empty_input(fs: AbstractFileSystem, input_path: str, files: list[str]) -> EmptyInput:
+    return EmptyInput(
+        f"input.uri {display_uri(fs, input_path)!r} has no rows: {len(files)} file(s), all "
+        "empty; nothing to generate"
+    )
 
 
 def write_plan(layout: RunLayout, plan: Plan) -> Plan:
@@ -235,10 +324,12 @@ def write_plan(layout: RunLayout, plan: Plan) -> Plan:
     if [s.shard_id for s in existing.shards] != [s.shard_id for s in plan.shards]:
         raise InputError(
             f"run {plan.run_id} was planned on different input ({layout.plan_path}); the input "
-            "changed since. Restore it, or start a new run (set run_id or another output)."
+            "changed since. Restore it, or start a new run: --set run_id=<new id>, or another "
+            "output"
         )
     return existing
 
 
 def new_plan(layout: RunLayout, config: RunConfig, shards: list[Shard]) -> Plan:
-    return Plan(layout.run_id, layout.run_date, config.config_hash(), shards)
+    return Plan(layout.run_id, layout.run_date, config.config_hash(), shards,
+                config.max_error_fraction, config.max_empty_fraction)

@@ -12,6 +12,7 @@ from typing import Any
 from schemas.run import RunConfig
 from tasks.failures import RunFailed
 from tasks.records import BadRecord
+from tasks.reporting import guard_fractions
 
 
 class QualityError(RunFailed):
@@ -34,26 +35,23 @@ def blank_count(texts: list[str]) -> int:
     return sum(1 for text in texts if not text.strip())
 
 
-def _fraction(part: int, whole: int) -> float | None:
-    return part / whole if whole else None
-
-
-def quality_problems(summary: dict[str, Any], config: RunConfig) -> list[str]:
+def quality_problems(
+    summary: dict[str, Any], max_error_fraction: float, max_empty_fraction: float
+) -> list[str]:
     """What is wrong with the run's committed rows, in words; empty when it passes."""
     ok, errors, empty = (summary[k] or 0 for k in ("ok_rows", "error_rows", "empty_completions"))
     problems = []
-    error_fraction = _fraction(errors, ok + errors)
-    if error_fraction is not None and error_fraction > config.max_error_fraction:
+    error_fraction, empty_fraction = guard_fractions(ok, errors, empty)
+    if error_fraction is not None and error_fraction > max_error_fraction:
         reasons = ", ".join(f"{r['reason']} {r['rows']}" for r in summary["error_reasons"])
         problems.append(
             f"{errors} of {ok + errors} rows failed ({error_fraction:.0%} > max_error_fraction "
-            f"{config.max_error_fraction:.0%}; reasons: {reasons}); see {summary['errors']}"
+            f"{max_error_fraction:.0%}; reasons: {reasons}); see {summary['errors']}"
         )
-    empty_fraction = _fraction(empty, ok)
-    if empty_fraction is not None and empty_fraction > config.max_empty_fraction:
+    if empty_fraction is not None and empty_fraction > max_empty_fraction:
         problems.append(
             f"{empty} of {ok} completions are empty ({empty_fraction:.0%} > max_empty_fraction "
-            f"{config.max_empty_fraction:.0%}); an instruct model given raw text often answers "
+            f"{max_empty_fraction:.0%}); an instruct model given raw text often answers "
             "nothing: check input.chat_template and the prompts"
         )
     return problems
@@ -61,7 +59,7 @@ def quality_problems(summary: dict[str, Any], config: RunConfig) -> list[str]:
 
 def enforce_quality(summary: dict[str, Any], config: RunConfig) -> None:
     """Raise QualityError naming every guard the run failed (its shards stay committed)."""
-    problems = quality_problems(summary, config)
+    problems = quality_problems(summary, config.max_error_fraction, config.max_empty_fraction)
     if problems:
         raise QualityError(
             f"run {summary['run_id']} failed its quality guards: " + "; ".join(problems)

@@ -80,8 +80,21 @@ def _jsonl_lines(
         position += len(line)
 
 
-def _raw_items(fs: AbstractFileSystem, shard: Shard) -> Iterator[tuple[int, str, Any]]:
-    """(offset, raw text, parsed value or the parse error) for each record of the shard."""
+@dataclass(frozen=True)
+class InvalidUtf8:
+    """A JSONL line whose bytes are not UTF-8, at this byte of the file; `record` is the line
+    read with U+FFFD, when that parses (for the error row's id)."""
+
+    byte: int
+    record: Any = None
+
+
+def raw_items(
+    fs: AbstractFileSystem, shard: Shard, spec: InputSpec
+) -> Iterator[tuple[int, str, Any]]:
+    """(offset, raw text, parsed value or the parse error) for each record of the shard;
+    a line with invalid UTF-8 yields InvalidUtf8 unless input.on_invalid_utf8 is replace."""
+    replace_invalid = spec.on_invalid_utf8 == "replace"
     if shard.format == "parquet":
         with fs.open(shard.path, "rb") as file:
             table = pq.ParquetFile(file).read_row_groups(range(shard.start, shard.end))
@@ -95,10 +108,30 @@ def _raw_items(fs: AbstractFileSystem, shard: Shard) -> Iterator[tuple[int, str,
             text = line.decode("utf-8", errors="replace").rstrip("\r\n")
             if not text.strip():
                 continue
+            if not replace_invalid and "\ufffd" in text:
+                try:
+                    line.decode("utf-8")
+                except UnicodeDecodeError as error:
+                    try:
+                        record = json.loads(text)
+                    except json.JSONDecodeError:
+                        record = None
+                    yield offset, text, InvalidUtf8(offset + error.start, record)
+                    continue
             try:
                 yield offset, text, json.loads(text)
             except json.JSONDecodeError as error:
                 yield offset, text, error
+
+
+def id_field_value(value: Any, name: str) -> str | None:
+    """A record's id as read_shard reads it, None where it has none usable."""
+    if not isinstance(value, dict):
+        return None
+    found = value.get(name)
+    if isinstance(found, str | int) and not isinstance(found, bool):
+        return str(found)
+    return None
 
 
 def _field(record: dict, name: str, kinds: tuple[type, ...], expected: str) -> Any:
@@ -147,6 +180,17 @@ def build_prompt(record: dict, spec: InputSpec) -> tuple[Prompt, str]:
     return prompt, prompt
 
 
+def _check_encodable(text: str) -> None:
+    """JSON escapes can spell lone surrogates (\\ud800), which no UTF-8 output can hold."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise ValueError(
+            f"invalid_utf8: the prompt holds {text[error.start]!r} (a lone surrogate from a "
+            f"JSON escape) at character {error.start}; fix the record"
+        ) from None
+
+
 def read_shard(
     fs: AbstractFileSystem, shard: Shard, spec: InputSpec, run_seed: int
 ) -> tuple[list[Record], list[BadRecord]]:
@@ -154,9 +198,20 @@ def read_shard(
     good: list[Record] = []
     bad: list[BadRecord] = []
     seen: set[str] = set()
-    for row, (offset, raw, value) in enumerate(_raw_items(fs, shard)):
+    first_seen = dict(shard.duplicates)
+    for row, (offset, raw, value) in enumerate(raw_items(fs, shard, spec)):
         record_id = f"{shard.source}:{offset}"
         try:
+            if row in first_seen:
+                record_id = id_field_value(value, spec.id_field) or record_id
+                raise ValueError(f"duplicate_id: {record_id!r} was first used by "
+                                 f"{first_seen[row]}; this later copy is not generated")
+            if isinstance(value, InvalidUtf8):
+                record_id = id_field_value(value.record, spec.id_field) or record_id
+                raise ValueError(
+                    f"invalid_utf8: byte {value.byte} of {shard.source} is not UTF-8; fix the "
+                    "file, or set input.on_invalid_utf8: replace to read it as U+FFFD"
+                )
             if isinstance(value, json.JSONDecodeError):
                 raise ValueError(f"malformed_json: {value.msg}: column {value.colno}")
             if not isinstance(value, dict):
@@ -167,6 +222,7 @@ def read_shard(
                     raise ValueError(f"duplicate_id: {record_id!r} already used in this shard")
                 seen.add(record_id)
             prompt, text = build_prompt(value, spec)
+            _check_encodable(text)
         except ValueError as error:
             bad.append(BadRecord(row, record_id, str(error), truncate(raw)))
             continue

@@ -74,7 +74,7 @@ RUN_COLUMNS: list[Column] = [
     ("run_id", "run", text), ("run_date", "date", text), ("device_types", "device", text),
     ("model_pairs", "target ← draft", text), ("shards", "shards", count),
     ("generated_tokens", "tokens", count), ("cost", "cost", usd),
-    ("cost_per_1m_tokens", "$ / 1M tok", usd), ("tokens_per_second", "tok/s", decimal),
+    ("cost_per_1m_tokens", "$ / 1M tok (no load)", usd), ("tokens_per_second", "tok/s", decimal),
     ("acceptance_rate", "acceptance", rate), ("mean_accepted_length", "mean acc. len", decimal),
     *SAVINGS_COLUMNS, ("padding_waste", "padding", rate), ("error_rows", "error rows", count),
 ]  # fmt: skip
@@ -82,7 +82,7 @@ MODEL_PAIR_COLUMNS: list[Column] = [
     ("target_model", "target", model), ("draft_model", "draft model", model),
     ("draft_kind", "draft kind", text), ("device_type", "device", text),
     ("shards", "shards", count), ("generated_tokens", "tokens", count),
-    ("cost_per_1m_tokens", "$ / 1M tok", usd), ("tokens_per_second", "tok/s", decimal),
+    ("cost_per_1m_tokens", "$ / 1M tok (no load)", usd), ("tokens_per_second", "tok/s", decimal),
     ("acceptance_rate", "acceptance", rate), ("mean_accepted_length", "mean acc. len", decimal),
     *SAVINGS_COLUMNS, ("plain_cost_estimate", "plain cost (est.)", usd),
     ("padding_waste", "padding", rate), ("error_rows", "error rows", count),
@@ -90,7 +90,8 @@ MODEL_PAIR_COLUMNS: list[Column] = [
 REGRESSION_COLUMNS: list[Column] = [
     ("run_id", "run", text), ("run_date", "date", text), ("series", "series", text),
     ("regression", "worse than the previous runs' median", text),
-    ("cost_per_1m_tokens", "$ / 1M tok", usd), ("baseline_cost_per_1m_tokens", "median", usd),
+    ("cost_per_1m_tokens", "$ / 1M tok (no load)", usd),
+    ("baseline_cost_per_1m_tokens", "median", usd),
     ("tokens_per_second", "tok/s", decimal), ("baseline_tokens_per_second", "median", decimal),
     ("acceptance_rate", "acceptance", rate), ("baseline_acceptance_rate", "median", rate),
     ("baseline_runs", "previous runs", count),
@@ -99,7 +100,7 @@ SHARD_COLUMNS: list[Column] = [
     ("shard_id", "shard", text), ("run_id", "run", text), ("device_type", "device", text),
     ("draft_kind", "draft kind", text), ("generated_tokens", "tokens", count),
     ("wall_seconds", "wall s", decimal), ("cost", "cost", usd),
-    ("cost_per_1m_tokens", "$ / 1M tok", usd), ("tokens_per_second", "tok/s", decimal),
+    ("cost_per_1m_tokens", "$ / 1M tok (no load)", usd), ("tokens_per_second", "tok/s", decimal),
     ("acceptance_rate", "acceptance", rate), *SAVINGS_COLUMNS,
     ("error_rows", "error rows", count),
 ]  # fmt: skip

@@ -8,6 +8,7 @@ cannot disagree. Ratios are always ratios of sums over shards.
 from __future__ import annotations
 
 import datetime as dt
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -51,7 +52,7 @@ def _section(sql: str, name: str) -> str:
     return match.group(1)
 
 
-def _filesystem(output_uri: str, storage_options: dict[str, Any] | None):
+def output_filesystem(output_uri: str, storage_options: dict[str, Any] | None):
     protocol = output_uri.split("://", 1)[0] if "://" in output_uri else "file"
     return fsspec.filesystem(protocol, **(storage_options or {}))
 
@@ -85,7 +86,7 @@ def open_committed_metrics(
     """A DuckDB connection with the report views over the committed shards of `output_uri`."""
     overrides = _validated_overrides(price_overrides)
     root = normalize_uri(output_uri)
-    fs = _filesystem(root, storage_options)
+    fs = output_filesystem(root, storage_options)
     if not fs.glob(f"{root}/manifests/*.json"):
         raise NoMetricsError(
             f"no committed shards under {root}/manifests/ (a shard is committed when "
@@ -168,15 +169,55 @@ def _prices_used(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     ]
 
 
-def build_report(con: duckdb.DuckDBPyConnection) -> dict[str, Any]:
-    """Every section of the report, as plain rows (what `--format json` prints)."""
+def guard_fractions(ok: int, errors: int, empty: int) -> tuple[float | None, float | None]:
+    """The fractions a run's quality guards hold against max_error_fraction (error rows of
+    all rows) and max_empty_fraction (blank completions of ok rows); None when undefined."""
+    return (errors / (ok + errors) if ok + errors else None, empty / ok if ok else None)
+
+
+def run_status(run: dict[str, Any], plan: dict[str, Any] | None) -> str:
+    """ok | failed_quality_guard | incomplete (fewer shards committed than planned)."""
+    if plan is None or run["shards"] < plan["shards_planned"]:
+        return "incomplete"
+    errors, empty = guard_fractions(run["ok_rows"] or 0, run["error_rows"] or 0,
+                                    run["empty_completions"] or 0)
+    if (errors or 0) > plan["max_error_fraction"] or (empty or 0) > plan["max_empty_fraction"]:
+        return "failed_quality_guard"
+    return "ok"
+
+
+def read_plans(fs, root: str) -> dict[str, dict[str, Any]]:
+    """run id -> shards planned and quality guards, from each run's plan.json."""
+    paths = fs.glob(f"{root}/plan/run_date=*/run_id=*/plan.json")
+    plans = {}
+    for content in (fs.cat(paths) if paths else {}).values():
+        plan = json.loads(content)
+        plans[plan["run_id"]] = {
+            "shards_planned": len(plan["shards"]),
+            "max_error_fraction": plan.get("max_error_fraction", 0.5),
+            "max_empty_fraction": plan.get("max_empty_fraction", 0.5),
+        }
+    return plans
+
+
+def build_report(
+    con: duckdb.DuckDBPyConnection, plans: dict[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    """Every section of the report, as plain rows (what `--format json` prints); with the
+    runs' plans, each run gets its status and shards planned."""
     total = _records(con, "SELECT * FROM cost_rollup WHERE level = 'total'")[0]
     shards = _records(con, "SELECT * FROM costliest_shards")
     trends = _records(con, "SELECT * FROM run_trends")
+    runs = _records(con, "SELECT * FROM run_summary")
+    if plans is not None:
+        for run in runs:
+            plan = plans.get(run["run_id"])
+            run["shards_planned"] = plan["shards_planned"] if plan else None
+            run["status"] = run_status(run, plan)
     return {
         "prices": _prices_used(con),
         "total": {k: v for k, v in total.items() if k not in _GROUP_COLUMNS},
-        "runs": _records(con, "SELECT * FROM run_summary"),
+        "runs": runs,
         "model_pairs": _records(con, "SELECT * FROM model_pair_summary"),
         "position_acceptance": _records(con, "SELECT * FROM position_acceptance"),
         "bucket_throughput": _records(con, "SELECT * FROM bucket_throughput"),

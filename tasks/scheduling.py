@@ -40,12 +40,13 @@ def run_bounded(
     slots: int,
     budget: CostBudget,
     size: Callable[[Work], int] = lambda _: 1,
+    stopping: Callable[[], bool] = lambda: False,
 ) -> list[Work]:
     """Submit work with at most `slots` in flight, while `budget` allows (`on_done` must record
-    finished costs into it). Returns the work left unscheduled because of the budget."""
+    finished costs into it) and nobody asked to stop. Returns the work left unscheduled."""
     queue, in_flight = deque(work), {}
     while queue or in_flight:
-        while queue and len(in_flight) < slots:
+        while queue and len(in_flight) < slots and not stopping():
             running = sum(size(item) for item in in_flight.values())
             if not budget.allows(running, size(queue[0])):
                 break

@@ -19,15 +19,22 @@ from prefect.logging import get_run_logger
 
 from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
 from schemas.run import RunConfig
-from tasks.commit import commit_shard, new_attempt_id, publish, read_manifest
+from tasks import leases
+from tasks.commit import (
+    commit_shard,
+    new_attempt_id,
+    publish,
+    read_manifest,
+)
 from tasks.engine_cache import leased_engine
 from tasks.failures import is_transient
 from tasks.layout import RunLayout
-from tasks.planning import Shard
+from tasks.planning import Shard, check_unchanged
 from tasks.prompting import prompt_format, render_records
 from tasks.provenance import provenance
 from tasks.quality import blank_count, error_reason_counts
 from tasks.records import BadRecord, Record, read_shard, truncate, with_samples
+from tasks.stopping import ShardAbandoned, stop_requested
 from tasks.storage import filesystem
 
 # Metrics columns copied as-is from engine.stats / engine.model_info / engine.draft_kind.
@@ -36,7 +43,7 @@ ENGINE_METRIC_FIELDS = (
     "mean_accepted_length", "accepted_per_position", "proposed_per_position", "target_forwards",
     "draft_forwards", "distinct_shapes", "prefill_seconds", "decode_seconds", "draft_seconds",
     "verify_seconds", "target_model", "target_weights_sha256", "draft_model",
-    "draft_weights_sha256", "draft_kind",
+    "draft_weights_sha256", "draft_kind", "cpu_kernels", "cpu_model", "cpu_isa",
 )
 SUMMARY_FIELDS = ("input_rows", "ok_rows", "error_rows", "generated_tokens", "cost",
                   "wall_seconds", "engine_load_cost", "empty_completions", "acceptance_rate")
@@ -49,13 +56,12 @@ def worker_id() -> str:
 @dataclass(frozen=True)
 class ShardOutcome:
     shard_id: str
-    status: str  # "committed" | "skipped" (already committed) | "lost" (another attempt won)
+    # committed | skipped (already committed) | lost (another attempt won) | leased (another
+    # live run generates it now)
+    status: str
     summary: dict[str, Any]  # SUMMARY_FIELDS of the committed attempt
 
 
-def run_layout(config: RunConfig) -> RunLayout:
-    fs, root = filesystem(config.output, config.storage)
-    return RunLayout.locate(fs, root, config.resolved_run_id())
 
 
 def _drop_too_long(engine, records: list[Record]) -> tuple[list[Record], list[BadRecord]]:
@@ -72,6 +78,20 @@ def _drop_too_long(engine, records: list[Record]) -> tuple[list[Record], list[Ba
         else:
             keep.append(record)
     return keep, bad
+
+
+def _generate(engine, records: list[Record], sampling, shard: Shard) -> list:
+    """The engine's completions, or ShardAbandoned once the run is asked to stop."""
+    from generation import GenerationStopped
+
+    if not records:
+        return []
+    try:
+        return engine.generate([r.prompt for r in records], sampling, [r.seed for r in records],
+                               should_stop=stop_requested)
+    except GenerationStopped:
+        raise ShardAbandoned(f"shard {shard.shard_id} abandoned mid-generation: the run is "
+                             "stopping; nothing of it was committed") from None
 
 
 def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
@@ -99,14 +119,39 @@ def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
     return pa.Table.from_pylist(data, DATA_SCHEMA), pa.Table.from_pylist(errors, ERRORS_SCHEMA)
 
 
-def process_shard(config: RunConfig, layout: RunLayout, shard: Shard) -> ShardOutcome:
-    """Generate and commit one shard (or finish/skip it if it is already committed)."""
+def process_shard(
+    config: RunConfig, layout: RunLayout, shard: Shard, wait_for_lease: bool = False
+) -> ShardOutcome:
+    """Generate and commit one shard (or finish/skip it if it is already committed). A shard
+    whose lease another live run holds is `leased` (skipped for now), or, with
+    `wait_for_lease`, waited for until that run commits it or its lease expires."""
     manifest = read_manifest(layout, shard.shard_id)
     if manifest is not None:
         publish(layout, manifest)
         return ShardOutcome(shard.shard_id, "skipped", summary_of(manifest))
+    if stop_requested():
+        raise ShardAbandoned(f"shard {shard.shard_id} not started: the run is stopping")
+    seconds = config.shard_lease_seconds
+    lease = leases.take(layout, shard.shard_id, seconds)
+    if lease is None and wait_for_lease:
+        poll = min(5.0, seconds / 4)
+        lease = leases.wait_for(layout, shard.shard_id, seconds, stop_requested, poll)
+    if lease is None:
+        if (manifest := read_manifest(layout, shard.shard_id)) is not None:
+            return ShardOutcome(shard.shard_id, "skipped", summary_of(manifest))
+        if stop_requested():
+            raise ShardAbandoned(f"shard {shard.shard_id} not started: the run is stopping")
+        return ShardOutcome(shard.shard_id, "leased", summary_of({}))
+    with leases.held(lease):
+        if (manifest := read_manifest(layout, shard.shard_id)) is not None:  # committed just
+            return ShardOutcome(shard.shard_id, "skipped", summary_of(manifest))  # before
+        return _generate_and_commit(config, layout, shard)
+
+
+def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> ShardOutcome:
     started_at = dt.datetime.now(dt.UTC)
     input_fs, _ = filesystem(config.input.uri, config.storage)
+    check_unchanged(input_fs, [shard], layout.run_id)
     records, bad = read_shard(input_fs, shard, config.input, config.seed)
     input_rows = len(records) + len(bad)
     generation = config.generation
@@ -116,13 +161,9 @@ def process_shard(config: RunConfig, layout: RunLayout, shard: Shard) -> ShardOu
         records, too_long = _drop_too_long(engine, records)
         records = with_samples(records, generation.samples_per_prompt, config.seed)
         engine.reset_stats()
-        completions = (
-            engine.generate([r.prompt for r in records], generation.sampling,
-                            [r.seed for r in records])
-            if records else []
-        )
+        completions = _generate(engine, records, generation.sampling, shard)
         engine_stats = {**engine.stats.as_dict(), **engine.model_info,
-                        "draft_kind": engine.draft_kind}
+                        **engine.hardware_info, "draft_kind": engine.draft_kind}
         chat_template = prompt_format(engine.tokenizer, config.input)
         held_seconds = lease.held_seconds()
     ok = [(r, c) for r, c in zip(records, completions, strict=True) if c.finish_reason != "error"]
@@ -139,12 +180,15 @@ def process_shard(config: RunConfig, layout: RunLayout, shard: Shard) -> ShardOu
             wall=held_seconds, load_seconds=lease.load_seconds, started_at=started_at,
         ),
         "empty_completions": blank_count([c.text for _, c in ok]),
+        "cache_full_rows": sum(c.finish_reason == "cache_full" for _, c in ok),
+        "partial_character_rows": sum(c.trimmed_partial_character for _, c in ok),
         "error_reasons": error_reason_counts(bad),
         **provenance(generation, chat_template),
     }
     tables = {"data": data, "errors": errors,
               "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
     summary = summary_of(metrics)
+    check_unchanged(input_fs, [shard], layout.run_id)  # what was read is what was planned
     if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
         return ShardOutcome(shard.shard_id, "committed", summary)
     winner = read_manifest(layout, shard.shard_id)
@@ -228,15 +272,21 @@ def is_io_error(task, task_run, state) -> bool:
     cache_policy=NO_CACHE,
     retry_condition_fn=is_io_error,
 )
-def generate_shard(config: RunConfig, run_date: str, shard: Shard) -> ShardOutcome:
+def generate_shard(
+    config: RunConfig, run_date: str, shard: Shard, wait_for_lease: bool = False
+) -> ShardOutcome:
     """One Prefect task per shard, run by a process that holds an accelerator slot."""
     fs, root = filesystem(config.output, config.storage)
-    outcome = process_shard(config, RunLayout(fs, root, config.resolved_run_id(), run_date), shard)
+    layout = RunLayout(fs, root, config.resolved_run_id(), run_date)
+    outcome = process_shard(config, layout, shard, wait_for_lease)
     log_outcome(get_run_logger(), outcome)
     return outcome
 
 
 def log_outcome(logger, outcome: ShardOutcome) -> None:
+    if outcome.status == "leased":
+        logger.info("shard %s is being generated by another run: later", outcome.shard_id)
+        return
     s = outcome.summary
     acceptance = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"
     logger.info(

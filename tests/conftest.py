@@ -17,6 +17,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
 
 SMOLLM2 = "packaged:smollm2-135m-instruct"
+pytest_plugins = ["pipeline_fixtures"]  # the session's Prefect server, shared by every module
 
 
 def free_port() -> int:
@@ -48,20 +49,20 @@ def _tiny_model_dir(
     import torch
     from transformers import AutoTokenizer
 
-    config = config_class(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=2,
-        tie_word_embeddings=True,
+    config = config_class(**{
+        "vocab_size": 49152,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+        "pad_token_id": 2,
+        "tie_word_embeddings": True,
         **overrides,
-    )
+    })
     torch.manual_seed(seed)
     model = model_class(config).eval()
     with (
@@ -94,6 +95,16 @@ def tiny_llama_other_dir(tmp_path_factory, smollm2_dir):
 
     root = tmp_path_factory.mktemp("tiny-llama-other")
     return _tiny_model_dir(root, smollm2_dir, LlamaConfig, LlamaForCausalLM, seed=0, noise=0.6)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_small_vocab_dir(tmp_path_factory, smollm2_dir):
+    """A tiny model with 256 logits (prompts as token ids): cheap even under an emulated CPU."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("tiny-llama-256")
+    return _tiny_model_dir(root, smollm2_dir, LlamaConfig, LlamaForCausalLM, seed=0,
+                           vocab_size=256)
 
 
 @pytest.fixture(scope="session")
@@ -133,3 +144,18 @@ def s3_bucket(s3_endpoint):
     fs.mkdir("corpus-test")
     yield dict(s3_endpoint)
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """(filesystem, output root) on a local folder or in the moto bucket."""
+    import fsspec
+    import s3fs
+
+    if request.param == "local":
+        return fsspec.filesystem("file"), str(tmp_path / "out")
+    options = request.getfixturevalue("s3_bucket")
+    fs = s3fs.S3FileSystem(
+        endpoint_url=options["endpoint_url"], key=options["key"], secret=options["secret"]
+    )
+    return fs, "corpus-test/out"

@@ -53,25 +53,15 @@ def write_parquet(path: Path, rows: list[dict], row_group_size: int) -> None:
 LONG_PROMPT_ROW = {"id": "too-long", "prompt": "word " * 300}
 
 
-_RUNNING_API_URL: list[str] = []
-
-
 @pytest.fixture(scope="session")
 def prefect_server():
-    """One Prefect test server for the session; yields its API URL for subprocesses.
-
-    Each test module importing this fixture gets its own session-scoped instance; the first
-    starts the server and the others reuse it (it stays up until the session ends)."""
-    if _RUNNING_API_URL:
-        yield _RUNNING_API_URL[0]
-        return
+    """One Prefect test server for the session (a pytest plugin, see conftest.py); yields its
+    API URL for subprocesses."""
     from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
-        _RUNNING_API_URL.append(PREFECT_API_URL.value())
-        yield _RUNNING_API_URL[0]
-        _RUNNING_API_URL.clear()
+        yield PREFECT_API_URL.value()
 
 
 def tiny_engine(model_dir) -> dict:

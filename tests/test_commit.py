@@ -33,18 +33,6 @@ from tasks.commit import (
 from tasks.layout import RunLayout
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    """(filesystem, output root) on a local folder or in the moto bucket."""
-    if request.param == "local":
-        return fsspec.filesystem("file"), str(tmp_path / "out")
-    options = request.getfixturevalue("s3_bucket")
-    fs = s3fs.S3FileSystem(
-        endpoint_url=options["endpoint_url"], key=options["key"], secret=options["secret"]
-    )
-    return fs, "corpus-test/out"
-
-
 def data_table(shard_id: str, label: str, rows: int = 3) -> pa.Table:
     return pa.Table.from_pylist(
         [

@@ -185,7 +185,7 @@ def client(stack: PrefectStack) -> SyncPrefectClient:
 
 
 def deployment_run(
-    stack: PrefectStack, config: dict, tmp_path: Path
+    stack: PrefectStack, config: dict, tmp_path: Path, watch_seconds: int = 240
 ) -> tuple[subprocess.CompletedProcess, str]:
     """Start `generate-corpus/ci` the way a CI job does (deployments/ci/trigger.sh, which runs
     `prefect deployment run ... --watch`); returns (result, flow run id)."""
@@ -197,7 +197,7 @@ def deployment_run(
         capture_output=True,
         text=True,
         timeout=300,
-        env={**stack.env, "CORPUSGEN_WATCH_TIMEOUT": "240"},
+        env={**stack.env, "CORPUSGEN_WATCH_TIMEOUT": str(watch_seconds)},
     )
     match = re.search(r"UUID: ([0-9a-f-]{36})", result.stdout)
     assert match, f"no flow run id in:\n{result.stdout}\n{result.stderr}"
@@ -476,3 +476,41 @@ def test_yaml_entrypoints_pools_and_configs_fit_together() -> None:
         if config := deployment.get("parameters", {}).get("config"):
             dispatch = parse_run_config(REPO / config).dispatch
             assert dispatch.mode == "deployment" and dispatch.deployment in names
+
+
+@pytest.mark.slow
+def test_a_watch_timeout_names_the_run_and_cancelling_it_ends_cancelled_then_a_rerun_finishes(
+    stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
+) -> None:
+    """The CI job stops watching after its timeout with one line saying how to cancel the run;
+    cancelling it from the API ends it Cancelled (not Crashed) without scheduling more shards,
+    and the same config run again completes with every record exactly once."""
+    rows = good_rows(24)
+    write_jsonl(tmp_path / "in.jsonl", rows)
+    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint["endpoint_url"])
+    fs.put(str(tmp_path / "in.jsonl"), "corpus-test/cancel/in.jsonl")
+    config = s3_config(s3_endpoint, tiny_llama_dir, "s3://corpus-test/cancel/in.jsonl",
+                       "s3://corpus-test/cancel/out")
+    config["sharding"]["rows_per_shard"] = 4
+    config["generation"]["sampling"]["max_new_tokens"] = 64
+    result, flow_run_id = deployment_run(stack, config, tmp_path, watch_seconds=15)
+    assert result.returncode == 124, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("corpusgen: stopped watching after 15 s; flow run " + flow_run_id)
+    assert f"`prefect flow-run cancel {flow_run_id}`" in last, last
+    stack.check("prefect", "flow-run", "cancel", flow_run_id)
+    with client(stack) as api:
+        deadline = time.monotonic() + 120
+        while not (run := api.read_flow_run(flow_run_id)).state.is_final():
+            assert time.monotonic() < deadline, run.state
+            time.sleep(1)
+    assert run.state.is_cancelled(), run.state  # not Crashed
+    root = "corpus-test/cancel/out"
+    fs.invalidate_cache()
+    assert len(fs.glob(f"{root}/manifests/*.json")) < 6  # it stopped before the end
+
+    result, rerun_id = deployment_run(stack, config, tmp_path)
+    assert result.returncode == 0, flow_run_log_text(stack, rerun_id)
+    fs.invalidate_cache()
+    data = ds.dataset(f"{root}/data", filesystem=fs, partitioning="hive").to_table()
+    assert sorted(data.column("id").to_pylist()) == sorted(row["id"] for row in rows)

@@ -8,7 +8,6 @@ import yaml
 from pipeline_fixtures import (
     LONG_PROMPT_ROW,
     good_rows,
-    prefect_server,  # noqa: F401  (session fixture)
     run_config,
     tiny_engine,
     write_jsonl,
@@ -24,7 +23,7 @@ from tasks.prompting import render_prompt
 runner = CliRunner()
 
 
-def test_plan_estimates_before_and_after_a_run(tmp_path, tiny_llama_dir, prefect_server):  # noqa: F811
+def test_plan_estimates_before_and_after_a_run(tmp_path, tiny_llama_dir, prefect_server):
     rows = good_rows(10)
     write_jsonl(tmp_path / "in.jsonl", [*rows, LONG_PROMPT_ROW, {"id": "x", "text": "no prompt"}])
     config = run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
@@ -49,10 +48,16 @@ def test_plan_estimates_before_and_after_a_run(tmp_path, tiny_llama_dir, prefect
     metrics = ds.dataset(tmp_path / "out" / "metrics", partitioning="hive").to_table()
     generated = sum(metrics.column("generated_tokens").to_pylist())
     ok = sum(metrics.column("ok_rows").to_pylist())
-    after = runner.invoke(app, ["plan", str(path)])
+    finished = runner.invoke(app, ["plan", str(path)])
+    assert finished.exit_code == 0, finished.output
+    assert "is complete: all 2 shards are committed; 0 rows left to generate, $0" \
+        in " ".join(finished.output.split())
+    assert "expected cost" not in finished.output
+    after = runner.invoke(app, ["plan", str(path), "--set", "seed=1"])  # a new run, same pair
     assert after.exit_code == 0, after.output
     expected = round(min(generated / ok, 8) * 20)
     assert f"expected generated tokens: {expected:,} " in after.output
     assert "in 1 earlier run(s)" in after.output and "expected cost: $" in after.output
-    other_device = runner.invoke(app, ["plan", str(path), "--set", "pricing.device_type=gaudi2"])
+    other_device = runner.invoke(app, ["plan", str(path), "--set", "seed=1", "--set",
+                                       "pricing.device_type=gaudi2"])
     assert "no committed runs with this model pair and device" in other_device.output

@@ -15,7 +15,6 @@ import s3fs
 from pipeline_fixtures import (
     LONG_PROMPT_ROW,
     good_rows,
-    prefect_server,  # noqa: F401  (session fixture)
     run_config,
     tiny_engine,
     write_jsonl,
@@ -25,6 +24,7 @@ from pipeline_fixtures import (
 from flows.generate import generate_corpus, generate_shards
 from schemas import ConfigError, parse_run_config
 from tasks.engine_cache import loaded_engine_count
+from tasks.failures import InputChanged
 from tasks.layout import RunLayout
 from tasks.planning import InputError
 
@@ -199,13 +199,19 @@ def test_s3_credentials_from_a_prefect_secret_block(s3_bucket, monkeypatch):
         filesystem("s3://corpus-test/x", StorageSpec(prefect_secret_block="s3-bad"))
 
 
-def test_two_concurrent_attempts_at_one_shard_commit_once(tmp_path, tiny_llama_dir):
-    """Both attempts generate (neither sees a manifest when it starts); exactly one commits,
-    the loser reports the winner's numbers and leaves no files behind."""
+@pytest.mark.parametrize("leases", ["held", "lost to a stall"])
+def test_two_concurrent_attempts_at_one_shard_commit_once(
+    tmp_path, tiny_llama_dir, monkeypatch, leases
+):
+    """Two attempts start together (neither sees a manifest). With the shard's lease, the
+    second generates nothing. Had the first stalled past its lease, so that both generate,
+    exactly one still commits; the loser reports the winner's numbers and leaves no files."""
     from concurrent.futures import ThreadPoolExecutor
 
     from flows.generate import plan_run
-    from tasks.shard import process_shard, run_layout
+    from tasks import leases as leases_module
+    from tasks.layout import run_layout
+    from tasks.shard import process_shard
 
     write_jsonl(tmp_path / "in.jsonl", good_rows(6))
     config = parse_run_config(run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
@@ -213,6 +219,13 @@ def test_two_concurrent_attempts_at_one_shard_commit_once(tmp_path, tiny_llama_d
     shard = plan_run.fn(config).shards[0]
     layout = run_layout(config)
     barrier = threading.Barrier(2)
+    if leases == "lost to a stall":  # each attempt gets a lease of its own generation
+        generations = iter(range(2))
+        monkeypatch.setattr(leases_module, "take", lambda layout, shard_id, seconds:
+                            leases_module.Lease(layout, shard_id, next(generations), "x", seconds))
+        expected = ["committed", "lost"]
+    else:
+        expected = ["committed", "leased"]
 
     def attempt(_):
         barrier.wait()
@@ -220,9 +233,43 @@ def test_two_concurrent_attempts_at_one_shard_commit_once(tmp_path, tiny_llama_d
 
     with ThreadPoolExecutor(2) as pool:
         outcomes = list(pool.map(attempt, range(2)))
-    assert sorted(o.status for o in outcomes) == ["committed", "lost"]
-    assert outcomes[0].summary == outcomes[1].summary
+    assert sorted(o.status for o in outcomes) == expected
+    if leases != "held":
+        assert outcomes[0].summary == outcomes[1].summary
     assert len(layout.fs.glob(layout.manifests_glob)) == 1
     data = read_dataset(layout.fs, layout.root, "data")
     assert sorted(data.column("id").to_pylist()) == [row["id"] for row in good_rows(6)]
     assert not layout.fs.glob(f"{layout.root}/_attempts/**/*.parquet")
+
+
+def test_an_input_file_changed_mid_run_fails_the_run_naming_the_file_and_its_shards(
+    tmp_path, tiny_llama_dir, monkeypatch
+):
+    """A line prepended after the first commit shifts every byte range: the run must fail
+    (not publish a shifted read), and the rerun is refused until the operator decides."""
+    from tasks import shard as shard_module
+
+    source = tmp_path / "in.jsonl"
+    write_jsonl(source, good_rows(24))
+    config = run_config(str(source), str(tmp_path / "out"), tiny_engine(tiny_llama_dir),
+                        sharding={"rows_per_shard": 8})
+    commit = shard_module.commit_shard
+
+    def commit_then_prepend(*args, **kwargs):
+        won = commit(*args, **kwargs)
+        if not source.read_text().startswith('{"id": "new"'):
+            source.write_text('{"id": "new", "prompt": "a line added mid-run"}\n'
+                              + source.read_text())
+        return won
+
+    monkeypatch.setattr(shard_module, "commit_shard", commit_then_prepend)
+    with pytest.raises(InputChanged) as failed:
+        generate_corpus(config)
+    message = str(failed.value)
+    assert f"input file {str(source)!r} changed during the run" in message
+    assert "3 shard(s) were planned from the old version" in message
+    assert "--set run_id=<new id>" in message
+    fs = fsspec.filesystem("file")
+    assert len(manifests(fs, str(tmp_path / "out"))) == 1  # the later shards read nothing old
+    with pytest.raises(InputError, match=r"planned on different input.*--set run_id=<new id>"):
+        generate_corpus(config)

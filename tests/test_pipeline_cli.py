@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pyarrow.dataset as ds
 import pytest
 import s3fs
 import yaml
-from pipeline_fixtures import good_rows, prefect_server, write_jsonl  # noqa: F401
+from pipeline_fixtures import good_rows, tiny_engine, write_jsonl
 from s3_fault_proxy import FaultRule, S3FaultProxy
 from typer.testing import CliRunner
 
@@ -54,7 +55,7 @@ def test_bad_config_and_missing_input_exit_2_with_the_reason(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path, smollm2_spec, prefect_server):  # noqa: F811
+def test_demo_runs_end_to_end(tmp_path, smollm2_spec, prefect_server):
     env = {**os.environ, "PREFECT_API_URL": prefect_server}
     command = [str(Path(sys.executable).with_name("corpusgen")), "demo", "--output",
                str(tmp_path / "demo"), "--set", "generation.sampling.max_new_tokens=4"]
@@ -119,7 +120,7 @@ def test_missing_or_refused_s3_credentials_give_one_line_naming_the_variables(
 
 @pytest.mark.slow
 def test_a_bad_model_path_fails_the_run_in_one_line_without_retries(
-    tmp_path, prefect_server  # noqa: F811
+    tmp_path, prefect_server
 ):
     write_jsonl(tmp_path / "in.jsonl", good_rows(4))
     config = write_config(tmp_path, generation={"engine": {"target": {"path": "/no/such/model"}}},
@@ -134,12 +135,84 @@ def test_a_bad_model_path_fails_the_run_in_one_line_without_retries(
     assert not list((tmp_path / "out").glob("manifests/*.json"))
 
 
-def test_an_ephemeral_server_that_does_not_start_in_time_is_explained(tmp_path):
+def without_api_url(**extra: str) -> dict[str, str]:
+    return {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}, **extra}
+
+
+def test_a_local_server_that_does_not_start_in_time_is_explained(tmp_path):
     write_jsonl(tmp_path / "in.jsonl", good_rows(2))
-    env = {**{k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"},
-           "PREFECT_HOME": str(tmp_path / "prefect"),
-           "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "0"}
+    env = without_api_url(PREFECT_HOME=str(tmp_path / "prefect"),
+                          PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS="0")
     status, output = corpusgen(["run", str(write_config(tmp_path))], env)
     assert status == 1, output
-    assert "Prefect's local server did not start within 0 s" in output, output
+    assert "Prefect's local server did not answer within 0 s" in output, output
+    assert "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS" in output
     assert "Traceback" not in output, output
+
+
+def test_a_local_server_that_dies_at_start_is_reported_at_once_with_its_cause(tmp_path):
+    """Its database cannot be opened: the server exits, and the CLI says so in seconds, not
+    after the 120 s start-up timeout."""
+    write_jsonl(tmp_path / "in.jsonl", good_rows(2))
+    (tmp_path / "not-a-dir").write_text("")
+    env = without_api_url(PREFECT_API_DATABASE_CONNECTION_URL=(
+        f"sqlite+aiosqlite:///{tmp_path}/not-a-dir/prefect.db"))
+    started = time.monotonic()
+    status, output = corpusgen(["run", str(write_config(tmp_path))], env)
+    assert status == 1, output
+    assert time.monotonic() - started < 60, output
+    last = output.strip().splitlines()[-1]
+    assert last.startswith("Prefect's local server exited with code"), output
+    assert "Traceback" not in output, output
+
+
+@pytest.mark.slow
+def test_a_local_module_named_like_the_stdlib_does_not_break_the_server(
+    tmp_path, tiny_llama_dir
+):
+    """An `inspect.py` in the working directory shadowed the standard library in Prefect's
+    temporary server; ours keeps the working directory off its import path."""
+    write_jsonl(tmp_path / "in.jsonl", good_rows(2))
+    (tmp_path / "inspect.py").write_text("raise SystemExit('this is not the stdlib inspect')\n")
+    config = write_config(tmp_path, generation={"engine": tiny_engine(tiny_llama_dir),
+                                                "sampling": {"max_new_tokens": 2}})
+    command = [str(Path(sys.executable).with_name("corpusgen")), "run", str(config)]
+    result = subprocess.run(command, cwd=tmp_path, env=without_api_url(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Generated records:" in result.stdout
+
+
+@pytest.mark.parametrize("problem", ["output is a file", "output not writable", "input unreadable"])
+def test_a_path_the_operator_must_fix_is_one_line_and_exit_2(tmp_path, problem):
+    write_jsonl(tmp_path / "in.jsonl", good_rows(2))
+    overrides: dict = {}
+    if problem == "output is a file":
+        (tmp_path / "taken").write_text("")
+        overrides["output"] = str(tmp_path / "taken")
+        expected = f"output {str(tmp_path / 'taken')!r} is a file, not a directory"
+    elif problem == "output not writable":
+        overrides["output"] = "/sys/corpusgen-out"  # refused even to root
+        expected = "output '/sys/corpusgen-out' is not writable (Operation not permitted"
+    else:  # a file that exists but that no user, root included, may read
+        overrides["input"] = {"uri": "/proc/1/mem", "format": "jsonl", "prompt_field": "prompt"}
+        expected = "input file '/proc/1/mem' cannot be read (Permission denied)"
+    result = runner.invoke(app, ["run", str(write_config(tmp_path, **overrides))])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(expected), result.output
+    debug = runner.invoke(app, ["--debug", "run", str(write_config(tmp_path, **overrides))])
+    assert debug.exit_code != 0 and debug.exception is not None  # --debug: the real error
+
+
+def test_an_empty_input_is_said_plainly_by_plan_and_run_alike(tmp_path):
+    (tmp_path / "in.jsonl").write_text("")
+    config = str(write_config(tmp_path))
+    for command in ("plan", "run"):
+        result = runner.invoke(app, [command, config])
+        assert result.exit_code == 2, result.output
+        assert result.output.strip() == (
+            f"input.uri {str(tmp_path / 'in.jsonl')!r} has no rows: 1 file(s), all empty; "
+            "nothing to generate"
+        )
+    assert not (tmp_path / "out" / "manifests").exists()

@@ -12,7 +12,6 @@ import pyarrow.dataset as ds
 import pytest
 from pipeline_fixtures import (
     good_rows,
-    prefect_server,  # noqa: F401  (session fixture)
     run_config,
     tiny_engine,
     write_jsonl,
@@ -24,7 +23,7 @@ SERVE = "from flows.generate import generate_shards; generate_shards.serve(name=
 
 
 @pytest.fixture
-def served_deployment(prefect_server, tmp_path):  # noqa: F811
+def served_deployment(prefect_server, tmp_path):
     """`generate_shards.serve()` in its own process; its log (child runs too) in serve.log."""
     env = {**os.environ, "PREFECT_API_URL": prefect_server}
     log = (tmp_path / "serve.log").open("wb")

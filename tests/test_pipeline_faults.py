@@ -17,7 +17,6 @@ import s3fs
 import yaml
 from pipeline_fixtures import (
     good_rows,
-    prefect_server,  # noqa: F401  (session fixture)
     run_config,
     tiny_engine,
     write_jsonl,
@@ -110,7 +109,7 @@ def test_a_committed_file_lost_for_good_fails_the_run_naming_the_shard(
 
 @pytest.mark.slow
 def test_sigkill_right_after_the_manifest_commit_is_finished_by_the_rerun(
-    tmp_path, faulty_s3, tiny_llama_dir, prefect_server  # noqa: F811
+    tmp_path, faulty_s3, tiny_llama_dir, prefect_server
 ):
     """The issue's case: the CLI dies the moment S3 applied its manifest PUT; the rerun must
     publish that attempt's staged files, not skip the shard with its records missing."""
@@ -133,7 +132,7 @@ def test_sigkill_right_after_the_manifest_commit_is_finished_by_the_rerun(
 
 @pytest.mark.slow
 def test_random_faults_and_sigkills_at_every_commit_point_end_exactly_once(
-    tmp_path, faulty_s3, tiny_llama_dir, prefect_server  # noqa: F811
+    tmp_path, faulty_s3, tiny_llama_dir, prefect_server
 ):
     """Seeded random faults: SIGKILL after staging a file, after the manifest commit, after a
     publish copy and during clean-up deletes; lost answers and SlowDown on manifests and staged

@@ -8,7 +8,6 @@ import pyarrow.dataset as ds
 import pytest
 from pipeline_fixtures import (
     good_rows,
-    prefect_server,  # noqa: F401  (session fixture)
     run_config,
     tiny_engine,
     write_jsonl,

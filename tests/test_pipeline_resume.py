@@ -17,7 +17,6 @@ import pytest
 import yaml
 from pipeline_fixtures import (
     good_rows,
-    prefect_server,  # noqa: F401  (session fixture)
     run_config,
     tiny_engine,
     write_jsonl,
@@ -48,7 +47,7 @@ def corpusgen_run(config_path, api_url) -> subprocess.Popen:
 
 @pytest.mark.slow
 def test_sigkill_then_rerun_equals_an_uninterrupted_run(
-    tmp_path, tiny_llama_dir, prefect_server  # noqa: F811
+    tmp_path, tiny_llama_dir, prefect_server
 ):
     rows = good_rows(SHARDS * 3)
     write_jsonl(tmp_path / "in.jsonl", rows)

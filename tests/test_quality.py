@@ -14,7 +14,6 @@ import yaml
 from pipeline_fixtures import (
     LONG_PROMPT_ROW,
     good_rows,
-    prefect_server,  # noqa: F401  (session fixture)
     run_config,
     tiny_engine,
     write_jsonl,
@@ -23,6 +22,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.generate import generate_corpus
+from generation import kernels
 from schemas import parse_run_config
 from tasks.quality import QualityError, quality_problems
 
@@ -46,18 +46,16 @@ def fresh_engine(model_dir, batch_sizes: list[int]) -> dict:
 
 
 def test_guards_name_what_failed_and_pass_within_the_limits():
-    config = parse_run_config(run_config("x.jsonl", "out", tiny_engine("m")))
-    assert quality_problems(summary_with(ok_rows=10, error_rows=10, empty_completions=5), config) \
-        == []
+    assert quality_problems(summary_with(ok_rows=10, error_rows=10, empty_completions=5),
+                            0.5, 0.5) == []
     (problem,) = quality_problems(
         summary_with(ok_rows=1, error_rows=3,
-                     error_reasons=[{"reason": "missing_field", "rows": 3}]), config)
+                     error_reasons=[{"reason": "missing_field", "rows": 3}]), 0.5, 0.5)
     assert "3 of 4 rows failed (75% > max_error_fraction 50%" in problem
     assert "missing_field 3" in problem
-    (problem,) = quality_problems(summary_with(ok_rows=4, empty_completions=4), config)
+    (problem,) = quality_problems(summary_with(ok_rows=4, empty_completions=4), 0.5, 0.5)
     assert "4 of 4 completions are empty" in problem and "input.chat_template" in problem
-    strict = config.model_copy(update={"max_empty_fraction": 0.0})
-    assert quality_problems(summary_with(ok_rows=4, empty_completions=1), strict)
+    assert quality_problems(summary_with(ok_rows=4, empty_completions=1), 0.5, 0.0)
 
 
 def test_summary_figures_are_named_and_blank_when_undefined():
@@ -105,6 +103,9 @@ def test_every_row_failing_exits_non_zero_and_report_on_zero_tokens_exits_0(
                         .stdout)
     assert report["total"]["generated_tokens"] == 0
     assert report["total"]["cost_per_1m_tokens"] is None
+    assert [(run["status"], run["shards_planned"]) for run in report["runs"]] == [
+        ("failed_quality_guard", 1)
+    ]
     totals = {r["reason"]: r["rows"] for r in report["error_reasons"] if r["level"] == "total"}
     assert totals == {"missing_field": 5, "prompt_too_long": 1}
 
@@ -146,7 +147,8 @@ def test_shards_waiting_for_the_engine_bill_nothing(tmp_path, tiny_llama_dir):
     from concurrent.futures import ThreadPoolExecutor
 
     from flows.generate import plan_run
-    from tasks.shard import process_shard, run_layout
+    from tasks.layout import run_layout
+    from tasks.shard import process_shard
 
     write_jsonl(tmp_path / "in.jsonl", good_rows(24))
     engine = fresh_engine(tiny_llama_dir, [2, 4])  # its load is timed too
@@ -198,6 +200,10 @@ def test_samples_per_prompt_and_provenance(tmp_path, tiny_llama_dir, monkeypatch
     assert metrics["chat_template"] == "chat"
     assert json.loads(metrics["sampling_params"])["samples_per_prompt"] == 3
     assert json.loads(metrics["sampling_params"])["temperature"] == 1.0
+    # What ran where: the engine's kernels (fp32 target: torch's F.linear) and the CPU.
+    assert metrics["cpu_kernels"] == "target=aten-float32"
+    assert metrics["cpu_model"] == kernels.cpu_model()
+    assert metrics["cpu_isa"] == kernels.cpu_isa()
     prompt = data[0]["prompt"]
     assert prompt.startswith("<|im_start|>system\n") and prompt.endswith("<|im_start|>assistant\n")
 

@@ -19,7 +19,6 @@ import pytest
 from engine_helpers import SMALL_GRID, engine_for, varied_prompts
 from pipeline_fixtures import (
     good_rows,
-    prefect_server,  # noqa: F401  (session fixture)
     run_config,
     tiny_engine,
     write_jsonl,
@@ -377,6 +376,17 @@ def test_report_over_two_real_pipeline_runs(tmp_path, tiny_llama_dir):
     positions = [p for p in report["position_acceptance"] if p["run_id"] == "drafted"]
     assert [p["position"] for p in positions] == [0, 1]
     assert render_dashboard(report, out).count('class="plotly-graph-div"') == 8
+
+    # A third run stopped by its cost cap after one shard: the JSON report says which run
+    # an operator can trust.
+    generate_corpus(run_config(str(tmp_path / "in" / "bad.jsonl"), out, engine, run_id="capped",
+                               sharding={"rows_per_shard": 3}, cost_cap_usd=1e-9))
+    result = CliRunner().invoke(app, ["report", out, "--format", "json"])
+    statuses = {run["run_id"]: (run["status"], run["shards"], run["shards_planned"])
+                for run in json.loads(result.stdout)["runs"]}
+    assert statuses["plain"] == ("ok", runs["plain"]["shards"], runs["plain"]["shards"])
+    assert statuses["drafted"][0] == "ok"  # 3 error rows of 13: within its guard
+    assert statuses["capped"][0] == "incomplete" and statuses["capped"][1] < statuses["capped"][2]
 
 
 @pytest.mark.slow
