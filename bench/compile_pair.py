@@ -17,10 +17,10 @@ import statistics
 import time
 
 import torch
-from _common import machine
-from qwen_pair import DRAFT, TARGET
 
-from generation.engine import load_model
+from bench._common import machine
+from bench.qwen_pair import DRAFT, TARGET
+from generation.loading import load_model
 from generation.runner import ModelRunner
 from schemas import BucketGrid
 

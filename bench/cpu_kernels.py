@@ -17,12 +17,12 @@ import statistics
 import time
 
 import torch
-from _common import machine
-from compile_pair import SHAPES, decode_seconds
-from qwen_pair import DRAFT, TARGET
 
+from bench._common import machine
+from bench.compile_pair import SHAPES, decode_seconds
+from bench.qwen_pair import DRAFT, TARGET
 from generation import kernels
-from generation.engine import load_model
+from generation.loading import load_model
 from generation.runner import ModelRunner
 from schemas import BucketGrid
 

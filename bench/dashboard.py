@@ -14,20 +14,15 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the report fixtures and the Chromium driver
-
-from _common import machine  # noqa: E402
-from headless_chromium import headless_chromium  # noqa: E402
-from reporting_fixtures import daily_history, three_runs, write_shard  # noqa: E402
-
-from tasks.dashboard import render_dashboard  # noqa: E402
-from tasks.reporting import build_report, open_committed_metrics  # noqa: E402
+from bench._common import machine
+from bench.browser import headless_chromium
+from bench.metrics_history import daily_history, three_runs, write_shard
+from reporting.dashboard import render_dashboard
+from reporting.metrics import build_report, open_committed_metrics
 
 ALL_CHARTS_DRAWN = (
     "[...document.querySelectorAll('.plotly-graph-div')]"

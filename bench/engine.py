@@ -11,9 +11,8 @@ import json
 import statistics
 
 import torch
-from _common import (
-    FREE_TEXT,
-    SMOLLM2,
+
+from bench._common import (
     copy_bandwidth_bytes_per_second,
     hf_generate,
     hf_rate,
@@ -22,7 +21,7 @@ from _common import (
     timed,
     weight_bytes,
 )
-
+from bench.workloads import FREE_TEXT, SMOLLM2
 from generation import Engine
 from schemas import EngineConfig, SamplingParams
 

@@ -15,19 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))  # the prompts are shared with the tests
-
-from _common import machine  # noqa: E402
-from reporting_fixtures import COPY_PROMPTS, PAYOFF_GRID  # noqa: E402
-
-from generation import Engine  # noqa: E402
-from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams  # noqa: E402
+from bench._common import machine
+from bench.workloads import COPY_PROMPTS, PAYOFF_GRID
+from generation import Engine
+from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
 
 def measure_plain_estimate(target: ModelSpec, repeats: int) -> dict:

@@ -23,7 +23,8 @@ from pathlib import Path
 import fsspec
 import pyarrow.dataset as ds
 import yaml
-from _common import machine
+
+from bench._common import machine
 
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")

@@ -19,11 +19,10 @@ import json
 import statistics
 
 import torch
-from _common import EngineTimings, engine_contender, hf_contender, hf_generate, machine
 
+from bench._common import EngineTimings, engine_contender, hf_contender, hf_generate, machine
 from generation import Engine
-from generation.engine import DTYPES, load_model
-from generation.loading import load_tokenizer, resolve_model_dir
+from generation.loading import DTYPES, load_model, load_tokenizer, resolve_model_dir
 from generation.proposers import ModelProposer, PromptLookupProposer
 from generation.quantize import ExactInt8Linear, int8_weights
 from generation.runner import ModelRunner

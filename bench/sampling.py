@@ -14,8 +14,9 @@ import json
 import statistics
 
 import torch
-from _common import PROMPT_SETS, SMOLLM2, machine, timed
 
+from bench._common import machine, timed
+from bench.workloads import PROMPT_SETS, SMOLLM2
 from generation import Engine
 from generation.sampling import allowed_logits
 from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams

@@ -15,16 +15,15 @@ import json
 import statistics
 
 import torch
-from _common import (
-    PROMPT_SETS,
-    SMOLLM2,
+
+from bench._common import (
     EngineTimings,
     engine_contender,
     hf_contender,
     load_hf_smollm2,
     machine,
 )
-
+from bench.workloads import PROMPT_SETS, SMOLLM2
 from generation import Engine
 from generation.quantize import int8_linears
 from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams

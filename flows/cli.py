@@ -10,17 +10,17 @@ import typer
 import yaml
 from rich.table import Table
 
+from flows import console as cli_console
 from schemas.run import ConfigError, RunConfig, parse_run_config
-from tasks import console_output
 
 # corpusgen runs offline: Prefect's telemetry has nowhere to go and would log an error per run.
 os.environ.setdefault("DO_NOT_TRACK", "1")
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# Prefect's 20 s default for its local server's start-up fails on a loaded 2-core host.
+# Prefect's default start-up wait for its local server is too short for a busy small host.
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
-console = console_output.console
+console = cli_console.console
 DEMO_DIR = Path(__file__).resolve().parent / "demo"
 
 ConfigArg = Annotated[Path, typer.Argument(help="run config, YAML or JSON")]
@@ -36,7 +36,7 @@ def _commands(
     ] = False,
 ) -> None:
     """Generate synthetic corpora with a static-shape speculative-decoding engine."""
-    console_output.DEBUG[0] = debug
+    cli_console.DEBUG[0] = debug
 
 
 def _fail(error: Exception | str, status: int = 2) -> typer.Exit:
@@ -62,25 +62,26 @@ def _generate(config: RunConfig) -> None:
     from tasks import stopping
     from tasks.planning import check_paths
 
-    console_output.quiet_prefect_logs()
+    cli_console.quiet_prefect_logs()
     stopping.reset()
     try:
         check_paths(config)  # a path the operator must fix: one line, before Prefect starts
-        with prefect_api() as server, console_output.stop_on_signals(server):
-            summary = console_output.run_with_progress(
+        with cli_console.StopOnSignals() as signals, prefect_api() as server:
+            signals.server = server
+            summary = cli_console.run_with_progress(
                 config,
-                lambda: console_output.in_thread(generate_corpus, config.model_dump(mode="json")),
+                lambda: cli_console.in_thread(generate_corpus, config.model_dump(mode="json")),
             )
     except Exception as error:
-        console_output.stop_info_logs()
+        cli_console.stop_info_logs()
         explained = (str(error), 1) if isinstance(error, ServerFailed) else (
-            console_output.explain(error, config)
+            cli_console.explain(error, config)
         )
-        if explained is None or console_output.DEBUG[0]:
+        if explained is None or cli_console.DEBUG[0]:
             raise
         raise _fail(*explained) from None
-    console_output.stop_info_logs()
-    console_output.print_summary(summary)
+    cli_console.stop_info_logs()
+    cli_console.print_summary(summary)
 
 
 @app.command()
@@ -141,7 +142,10 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
 def _print_estimate(config: RunConfig, shards: list) -> None:
     """Rows, prompt tokens and expected cost from the tokenizer and earlier runs' metrics."""
     from generation.loading import load_spec_tokenizer
-    from tasks.estimate import estimate_lines, estimate_run
+    from reporting.estimate import estimate_lines, estimate_run, history
+    from reporting.metrics import NoMetricsError, open_committed_metrics
+    from tasks.prompting import count_prompts
+    from tasks.storage import filesystem
 
     try:
         tokenizer = load_spec_tokenizer(config.generation.engine.target)
@@ -149,7 +153,13 @@ def _print_estimate(config: RunConfig, shards: list) -> None:
         console.print(f"no estimates: cannot load the target's tokenizer ({error})",
                       style="yellow", soft_wrap=True, markup=False)
         return
-    for line in estimate_lines(estimate_run(config, shards, tokenizer), config):
+    try:
+        output_fs, _ = filesystem(config.output, config.storage)
+        past = history(open_committed_metrics(config.output, output_fs), config)
+    except NoMetricsError:
+        past = None
+    prompts = count_prompts(config, shards, tokenizer)
+    for line in estimate_lines(estimate_run(config, len(shards), prompts, past), config):
         console.print(line, soft_wrap=True, markup=False)
 
 

@@ -17,13 +17,7 @@ from prefect.logging import get_run_logger
 from prefect.states import Cancelled, State
 
 from schemas.run import RunConfig, parse_run_config
-from tasks.commit import (
-    committed_shard_ids,
-    finish_publishes,
-    read_manifest,
-    sweep_losing_attempts,
-    verify_committed,
-)
+from tasks.commit import finalize, recover
 from tasks.dispatch import RunProgress, dispatch_deployments, dispatch_local, shard_task
 from tasks.duplicates import with_duplicates
 from tasks.failures import RunFailed, run_failure_message, state_failure
@@ -32,7 +26,6 @@ from tasks.planning import Plan, check_unchanged, new_plan, plan_shards, write_p
 from tasks.quality import enforce_quality
 from tasks.run_summary import publish_summary_artifacts, summarize_run
 from tasks.scheduling import CostBudget
-from tasks.shard import shard_spend
 from tasks.stopping import request_stop, stop_requested, stop_signal
 from tasks.storage import filesystem
 
@@ -70,12 +63,12 @@ def accelerator_slot(config: RunConfig):
     )
 
 
-def stopped_message(layout, planned: int) -> str:
+def stopped_message(layout, planned: int, committed: int) -> str:
     """What an interrupted run kept, and how to finish it."""
     signum = stop_signal()
     cause = signal.Signals(signum).name if signum else "a stop request"
     return (
-        f"run {layout.run_id} stopped on {cause}: {len(committed_shard_ids(layout))} of "
+        f"run {layout.run_id} stopped on {cause}: {committed} of "
         f"{planned} shards committed and kept; shards in flight were abandoned before their "
         "commit. Rerun the same config to resume"
     )
@@ -89,17 +82,15 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any] | State:
     logger = get_run_logger()
     plan = plan_run(run)
     layout = run_layout(run)
-    for shard_id, outcome in finish_publishes(layout).items():  # commits cut short earlier
+    recovered = recover(layout)
+    for shard_id, outcome in recovered.repairs.items():  # commits cut short earlier
         logger.warning("shard %s: %s", shard_id, outcome)
-    committed = committed_shard_ids(layout)
-    pending = [shard for shard in plan.shards if shard.shard_id not in committed]
+    pending = [shard for shard in plan.shards if shard.shard_id not in recovered.manifests]
     logger.info(
         "run %s: %d shards planned, %d already committed", layout.run_id, len(plan.shards),
         len(plan.shards) - len(pending),
     )
-    progress = RunProgress(layout, plan, CostBudget(run.cost_cap_usd))
-    for shard_id in sorted(committed):
-        progress.budget.record(shard_spend(read_manifest(layout, shard_id)))
+    progress = RunProgress(layout, plan, CostBudget(run.cost_cap_usd), recovered.manifests)
     try:
         if run.dispatch.mode == "local":
             # One process, one engine: accelerator_slots bounds shards in flight here. No
@@ -113,11 +104,9 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any] | State:
         request_stop(signal.SIGTERM)
         raise
     if stop_requested():
-        return Cancelled(message=stopped_message(layout, len(plan.shards)))
-    finish_publishes(layout)
-    sweep_losing_attempts(layout)
+        return Cancelled(message=stopped_message(layout, len(plan.shards), progress.done))
+    broken = finalize(layout)
     check_unchanged(filesystem(run.input.uri, run.storage)[0], plan.shards, layout.run_id)
-    broken = verify_committed(layout)
     summary = summarize_run(layout, run.output, plan, len(unscheduled), list(progress.failed))
     publish_summary_artifacts(summary, run.pricing.usd_per_hour(), run.pricing.device_type)
     if unscheduled:

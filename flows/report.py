@@ -12,21 +12,20 @@ from typing import Annotated, Any
 
 import typer
 
-from schemas.pricing import UnknownDeviceError, parse_price_overrides
-from schemas.run import StorageSpec
-from tasks.dashboard import render_dashboard
-from tasks.report_tables import print_report
-from tasks.reporting import (
+from reporting.dashboard import render_dashboard
+from reporting.metrics import (
     NoMetricsError,
     build_report,
     normalize_uri,
     open_committed_metrics,
-    output_filesystem,
     read_plans,
     report_rows,
     views_sql,
 )
-from tasks.storage import storage_options
+from reporting.tables import print_report
+from schemas.pricing import UnknownDeviceError, parse_price_overrides
+from schemas.run import StorageSpec
+from tasks.storage import filesystem
 
 
 class ReportFormat(StrEnum):
@@ -90,11 +89,11 @@ def report(
         typer.echo(views_sql(output_uri))
         return
     try:
-        options = storage_options(output_uri, StorageSpec(endpoint_url=endpoint_url))
-        options |= _parse_storage_options(storage_option or [])
+        options = _parse_storage_options(storage_option or [])
+        fs, _ = filesystem(output_uri, StorageSpec(endpoint_url=endpoint_url), **options)
         con = open_committed_metrics(
             output_uri,
-            storage_options=options,
+            fs,
             run_ids=run,
             since=since.date() if since else None,
             price_overrides=parse_price_overrides(price or []),
@@ -102,8 +101,7 @@ def report(
     except (NoMetricsError, UnknownDeviceError, ValueError) as exc:
         typer.secho(f"error: {exc}", err=True, fg="red")
         raise typer.Exit(2) from None
-    result = build_report(con, read_plans(output_filesystem(output_uri, options),
-                                          normalize_uri(output_uri)))
+    result = build_report(con, read_plans(fs, normalize_uri(output_uri)))
     if output_format is ReportFormat.json:
         typer.echo(json.dumps({"source": output_uri, **result}, default=_jsonable, indent=2))
     elif output_format is ReportFormat.csv:

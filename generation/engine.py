@@ -1,8 +1,14 @@
-"""The engine: continuous batching over static shapes, with optional speculative decoding.
+"""The engine: continuous batching over static shapes, with speculative decoding.
 
-Host side decides (which row is live, how many tokens it keeps, when to refill or compact);
-the device side runs only grid-shaped forwards. Each batch row is a cache row ("slot"); a
-finished row's slot is refilled with the next waiting prompt so the batch stays full.
+Each step reads top to bottom as: admit (free rows take waiting prompts, one prefill) -> propose
+(the proposer drafts K tokens per row; the draft-length policy picks K, 0 for a plain step) ->
+verify (the target scores [b, K + 1] tokens in one forward) -> accept (each row keeps the draft
+tokens that equal the target's own choice, then the target's next token) -> collect (finished
+rows leave; with no prompt waiting, live rows compact into a smaller batch bucket).
+
+The host decides which row is live, how many tokens it keeps, when to refill or compact; the
+device runs only grid-shaped forwards. Loading and assembly live in loading.py, K in
+draft_length.py, the proposers in proposers.py, the verifier in rejection.py.
 """
 
 from __future__ import annotations
@@ -12,17 +18,15 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from generation import kernels, loading
-from generation.device import resolve_device
-from generation.draft_stop import DraftStopper, RoundPrices
-from generation.metrics import DraftLengthChooser, EngineStats
-from generation.model import CausalLM, DecoderConfig
-from generation.proposers import CATCH_UP_WIDTHS, ModelProposer, PromptLookupProposer
-from generation.quantize import ExactInt8Linear, int8_weights, quantized_copy
+from generation.draft_length import DraftLengthPolicy, StepRows, policy_for
+from generation.loading import DTYPES, LoadedModel
+from generation.metrics import EngineStats
+from generation.prompts import encode
+from generation.proposers import NoProposer, Proposer
 from generation.rejection import verify
 from generation.runner import WARM_CALLS, ModelRunner
 from generation.sampling import RowRandom, choose, step_draws
@@ -34,13 +38,11 @@ from generation.schedule import (
     step_width,
 )
 from generation.types import Completion, GenerationStopped
-from schemas import EngineConfig, ModelSpec, SamplingParams
+from schemas import EngineConfig, SamplingParams
 
 ENGINE_VERSION = "0.1.0"
 Prompt = str | list[dict] | list[int] | torch.Tensor  # a tensor: 1-D integer token ids
-PROMPT_KINDS = "a prompt is a string, a list of chat messages, a list of token ids or a 1-D tensor"
 REPLACEMENT = "\ufffd"  # what a tokenizer decodes incomplete UTF-8 bytes to
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -63,59 +65,6 @@ class _Row:
         return self.tokens[self.prompt_len :]
 
 
-@dataclass
-class LoadedModel:
-    model: CausalLM
-    tokenizer: object
-    directory: Path
-    weights_sha256: str
-    eos_ids: frozenset[int]
-
-
-def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> LoadedModel:
-    directory = loading.resolve_model_dir(spec)
-    config = loading.read_config(directory)
-    model = CausalLM(DecoderConfig.from_hf(config), max_positions)
-    model.load_hf_weights(loading.load_state_dict(directory))
-    model = model.to_dtype(DTYPES[spec.dtype]).to(device).eval()
-    if spec.quantize == "int8":
-        model = int8_weights(model, ExactInt8Linear)
-    tokenizer = loading.load_tokenizer(directory)
-    eos = loading.eos_token_ids(directory, config) | {tokenizer.eos_token_id} - {None}
-    return LoadedModel(
-        model, tokenizer, directory, loading.weights_sha256(directory), frozenset(eos)
-    )
-
-
-def _check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
-    t, d = target.tokenizer, draft.tokenizer
-    problems = []
-    if t.get_vocab() != d.get_vocab():
-        problems.append("vocabularies differ")
-    if t.all_special_tokens != d.all_special_tokens:
-        problems.append(f"special tokens differ ({t.all_special_tokens} vs {d.all_special_tokens})")
-    if target.model.config.vocab_size != draft.model.config.vocab_size:
-        problems.append("embedding sizes differ")
-    if problems:
-        raise ValueError(
-            f"draft model {draft.directory} cannot draft for {target.directory}: "
-            + "; ".join(problems)
-            + ". A draft must share the target's tokenizer; "
-            "use kind='quantized' or 'prompt_lookup'."
-        )
-
-
-def _tensor_token_ids(prompt: torch.Tensor) -> list[int]:
-    """A tensor prompt is read as token ids: 1-D and of an integer dtype, or it is refused."""
-    dtype = prompt.dtype
-    if prompt.dim() != 1 or dtype.is_floating_point or dtype.is_complex or dtype == torch.bool:
-        raise TypeError(
-            f"a tensor prompt must hold token ids: 1-D, integer dtype; got shape "
-            f"{tuple(prompt.shape)} and dtype {prompt.dtype}"
-        )
-    return prompt.tolist()
-
-
 def _check_seeds(seeds: Sequence[int] | None, prompts: int) -> None:
     if seeds is None:
         return
@@ -135,56 +84,24 @@ class Engine:
         config: EngineConfig,
         target: LoadedModel,
         device: torch.device,
-        proposer=None,
+        proposer: Proposer | None = None,
         draft: LoadedModel | None = None,
     ):
         self.config, self.grid, self.device = config, config.bucket_grid, device
         self.target_loaded, self.draft_loaded = target, draft
         self.tokenizer = target.tokenizer
-        dtype = DTYPES[config.target.dtype]
         self.target = ModelRunner(
-            target.model, self.grid, device, dtype, config.compile, config.hpu_graphs,
-            config.cuda_graphs,
+            target.model, self.grid, device, DTYPES[config.target.dtype], config.compile,
+            config.hpu_graphs, config.cuda_graphs,
         )
-        self.proposer = proposer
-        fixed = None if config.num_draft_tokens == "auto" else config.num_draft_tokens
-        self.chooser = DraftLengthChooser(self.grid.draft_lengths, fixed)
-        early = config.stop_drafting_early and proposer is not None
-        self.stopper = DraftStopper() if early else None  # used while K is auto
-        self.max_draft = self.grid.draft_lengths[-1]
+        self.proposer = proposer or NoProposer()
+        self.draft_length: DraftLengthPolicy = policy_for(config, self.target, self.proposer)
         self._stop_ids = target.eos_ids  # plus the call's stop_token_ids, set per generate()
         self.reset_stats()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> Engine:
-        device = resolve_device(config.device)
-        if device.type == "cpu" and config.cpu_threads:
-            torch.set_num_threads(config.cpu_threads)
-        grid = config.bucket_grid
-        target = load_model(config.target, grid.max_cache, device)
-        draft_spec, draft, proposer = config.draft, None, None
-        if draft_spec is not None and draft_spec.kind == "prompt_lookup":
-            proposer = PromptLookupProposer(draft_spec.ngram_max, draft_spec.ngram_min)
-        elif draft_spec is not None:
-            if draft_spec.kind == "model":
-                draft = load_model(draft_spec.model, grid.max_cache, device)
-                _check_same_tokenizer(target, draft)
-                draft_model, draft_dtype = draft.model, DTYPES[draft_spec.model.dtype]
-                if draft_spec.dtype == "int8":
-                    draft_model = int8_weights(draft_model)
-            else:
-                weights = draft_spec.dtype or "int8"
-                draft_model = quantized_copy(target.model, weights)
-                draft_dtype = (
-                    DTYPES[config.target.dtype] if weights == "int8" else torch.bfloat16
-                )
-            compile_draft = config.compile if draft_spec.compile is None else draft_spec.compile
-            runner = ModelRunner(
-                draft_model, grid, device, draft_dtype, compile_draft, config.hpu_graphs,
-                config.cuda_graphs,
-            )
-            proposer = ModelProposer(runner)
-        return cls(config, target, device, proposer, draft)
+        return cls(config, *loading.assemble(config))
 
     # ---- public helpers -------------------------------------------------------------------
     @property
@@ -212,31 +129,16 @@ class Engine:
     @property
     def hardware_info(self) -> dict:
         """For the metrics: the linear kernels each model runs (on CPU), and the CPU."""
-        roles = [("target", self.target)] + (
-            [("draft", self._draft_runner)] if self._draft_runner else []
-        )
-        on_cpu = self.device.type == "cpu"
+        runners = [("target", self.target), ("draft", self.proposer.runner)]
+        kernels_used = " ".join(f"{role}={r.kernels}" for role, r in runners if r is not None)
         return {
-            "cpu_kernels": " ".join(f"{role}={r.kernels}" for role, r in roles) if on_cpu else None,
+            "cpu_kernels": kernels_used if self.device.type == "cpu" else None,
             "cpu_model": kernels.cpu_model(),
             "cpu_isa": kernels.cpu_isa(),
         }
 
     def encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            return self.tokenizer(prompt).input_ids
-        if isinstance(prompt, torch.Tensor):
-            return _tensor_token_ids(prompt)
-        if not isinstance(prompt, list | tuple):
-            raise TypeError(f"{PROMPT_KINDS}; got a {type(prompt).__name__}")
-        if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return list(prompt)
-        if prompt and all(isinstance(m, dict) for m in prompt):
-            text = self.tokenizer.apply_chat_template(
-                prompt, tokenize=False, add_generation_prompt=True
-            )
-            return self.tokenizer(text, add_special_tokens=False).input_ids
-        raise TypeError(PROMPT_KINDS)
+        return encode(self.tokenizer, prompt)
 
     def count_prompt_tokens(self, prompt: Prompt) -> int:
         return len(self.encode(prompt))
@@ -255,26 +157,23 @@ class Engine:
         computed = now["computed"] - self._base["computed"]
         useful = now["useful"] - self._base["useful"]
         stats.padding_waste = (computed - useful) / computed if computed else None
+        draft = self.proposer.runner
         stats.target_shapes = len(self.target.shapes)
-        stats.draft_shapes = len(self._draft_runner.shapes) if self._draft_runner else 0
+        stats.draft_shapes = len(draft.shapes) if draft else 0
         stats.distinct_shapes = stats.target_shapes + stats.draft_shapes
         stats.compiles = sum(runner.compiles for runner in self._runners)
         stats.graph_captures = sum(runner.graph_captures for runner in self._runners)
         return stats
 
     @property
-    def _draft_runner(self) -> ModelRunner | None:
-        return self.proposer.runner if isinstance(self.proposer, ModelProposer) else None
-
-    @property
     def _runners(self) -> list[ModelRunner]:
-        return [self.target] + ([self._draft_runner] if self._draft_runner else [])
+        return [self.target] + ([self.proposer.runner] if self.proposer.runner else [])
 
     def _runner_totals(self) -> dict:
         runners = self._runners
         return {
             "target_forwards": self.target.forwards,
-            "draft_forwards": self.proposer.forwards if self.proposer else 0,
+            "draft_forwards": self.proposer.forwards,
             "computed": sum(r.computed_slots for r in runners),
             "useful": sum(r.useful_slots for r in runners),
         }
@@ -283,11 +182,10 @@ class Engine:
         """Run every grid shape: prefills once, decodes WARM_CALLS times (their timings price
         each K until it runs)."""
         grid = self.grid
-        verify_lengths = [k + 1 for k in grid.draft_lengths] if self.proposer else []
-        runners = [(self.target, [1, *verify_lengths], False)]
-        if self._draft_runner:  # catch-up widths beyond 2 only follow plain steps (K auto)
-            widths = [2] if self.chooser.fixed else CATCH_UP_WIDTHS
-            runners.append((self._draft_runner, sorted({1, *widths}), True))
+        runners = [(self.target, [1, *self.draft_length.verify_widths()], False)]
+        if self.proposer.runner:
+            widths = sorted({1, *self.draft_length.catch_up_widths()})
+            runners.append((self.proposer.runner, widths, True))
         for runner, lengths, last_logit_only in runners:
             # A prefill runs once in use per prompt, so one warm call prices it; where that
             # call built a graph, a second one prices the shape without the build (else a
@@ -325,16 +223,13 @@ class Engine:
         results: list[Completion | None] = [None] * len(prompts)
         waiting: deque[_Row] = deque()
         for index, prompt in enumerate(prompts):
-            row, error = self._admit_row(
-                index, prompt, params, params.seed if seeds is None else seeds[index]
-            )
-            if error:
-                results[index] = Completion(
-                    [], "", "error", len(row.tokens) if row else 0, error=error
-                )
-            else:
-                waiting.append(row)
-        self.chooser.new_prompts()
+            ids, error = self._prompt_ids(prompt)
+            if error is not None:  # this record only; the others go on
+                results[index] = Completion([], "", "error", len(ids), error=error)
+                continue
+            seed = params.seed if seeds is None else seeds[index]
+            waiting.append(_Row(index, ids, len(ids), RowRandom(seed)))
+        self.draft_length.new_prompts()
         admitted, load_mark = list(waiting), self.target.load_mark()
         capacity = batch_capacity(self.grid.batch_sizes, len(waiting))
         slots: list[_Row | None] = [None] * capacity
@@ -342,66 +237,61 @@ class Engine:
         while waiting or any(slots):
             if should_stop is not None and should_stop():
                 raise GenerationStopped(f"stopped with {len(waiting)} prompts not started")
-            self._refill(slots, waiting, params)
+            self._admit(slots, waiting, params)
             self._collect(slots, results, params)
             if not any(slots):
                 continue
             if not waiting:
                 self._compact(slots)
-            width = step_width(slots, self.grid.batch_sizes)
-            k, switch_seconds = (
-                self._choose_k(slots[:width], params) if self.proposer else (0, 0.0)
-            )
+            batch = slots[: step_width(slots, self.grid.batch_sizes)]
+            k, switch_seconds = self.draft_length.choose(self._step_rows(batch, params))
             forwards_before, step_started = self._forward_seconds(), time.perf_counter()
-            if k:
-                k = self._speculative_step(slots[:width], k, params)
-            else:
-                self._decode_step(slots[:width], params)
+            k = self._step(batch, k, params)
             self._stats.record_step(k)
             if not (k and switch_seconds):  # a catch-up round prices the switch, not K
-                self.chooser.observe_step(
-                    width,
-                    k,
-                    time.perf_counter() - step_started,
+                self.draft_length.observe_step(
+                    len(batch), k, time.perf_counter() - step_started,
                     self._forward_seconds() - forwards_before,
                 )
             self._collect(slots, results, params)
-        if self.proposer:
-            self._record_plain_estimate(admitted, load_mark)
+        self._record_plain_estimate(admitted, load_mark)
         self._stats.wall_seconds += time.perf_counter() - started
         s = self._stats
         s.host_seconds = (
-            s.wall_seconds
-            - s.prefill_seconds
-            - s.decode_seconds
-            - s.draft_seconds
+            s.wall_seconds - s.prefill_seconds - s.decode_seconds - s.draft_seconds
             - s.verify_seconds
         )
         return results
 
-    def _admit_row(self, index: int, prompt: Prompt, params: SamplingParams, seed: int):
+    def _prompt_ids(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        """A prompt's token ids, and why it cannot run (a reason class first), or None."""
         try:
             ids = self.encode(prompt)
-        except Exception as exc:  # e.g. a chat template failing on a message: this record only
-            return None, f"unusable prompt: {exc}"
-        row = _Row(index, ids, len(ids), RowRandom(seed))
+        except Exception as error:  # a bad type, a chat template failing on a message
+            return [], f"unusable_prompt: {error}"
+        vocab = self.target.model.config.vocab_size
         if not ids:
-            return row, "empty prompt (0 tokens)"
+            return ids, "empty_prompt: the prompt has 0 tokens"
         if len(ids) > self.grid.max_prompt:
-            return row, (
-                f"prompt has {len(ids)} tokens, more than the largest prompt bucket "
-                f"({self.grid.max_prompt}); raise bucket_grid.prompt_lengths or shorten it"
+            return ids, (
+                f"prompt_too_long: {len(ids)} tokens > largest prompt bucket "
+                f"{self.grid.max_prompt}; shorten it or raise bucket_grid.prompt_lengths"
             )
-        if max(ids) >= self.target.model.config.vocab_size or min(ids) < 0:
-            return (
-                row,
-                f"token ids outside the vocabulary (0..{self.target.model.config.vocab_size - 1})",
-            )
-        return row, None
+        if max(ids) >= vocab or min(ids) < 0:
+            return ids, f"token_out_of_vocabulary: token ids must be in 0..{vocab - 1}"
+        return ids, None
 
-    def _refill(
-        self, slots: list[_Row | None], waiting: deque[_Row], params: SamplingParams
-    ) -> None:
+    def _step_rows(self, batch: list[_Row | None], params: SamplingParams) -> StepRows:
+        return StepRows(
+            contexts=[row.tokens if row else None for row in batch],
+            seen=[row.draft_seen if row else 0 for row in batch],
+            left=[params.max_new_tokens - len(row.generated) if row else 0 for row in batch],
+        )
+
+    def _admit(self, slots: list[_Row | None], waiting: deque[_Row], params: SamplingParams):
+        """Free slots take waiting prompts: one target prefill; the draft's too while
+        speculation pays at this batch, its prefill included (a later K round catches a
+        skipped draft up); each row's first token from the prefill's logits."""
         admitted = [(slot, waiting.popleft()) for slot in slots_to_fill(slots, len(waiting))]
         if not admitted:
             return
@@ -409,15 +299,8 @@ class Engine:
         prompts = [row.tokens for _, row in admitted]
         rows = [slot for slot, _ in admitted]
         logits = self.target.prefill(prompts, rows)
-        # A model draft is prefilled only while speculation pays at this batch, its prefill
-        # included: where plain decoding wins, that prefill is pure loss. A later K round
-        # catches a skipped draft up.
-        with_draft = self.proposer is not None and self.chooser.wants_draft(
-            len(slots),
-            *self._forward_prices(len(slots)),
-            self.proposer.prefill_seconds([len(p) for p in prompts]),
-            params.max_new_tokens - 1,
-        )
+        lengths, horizon = [len(p) for p in prompts], params.max_new_tokens - 1
+        with_draft = self.draft_length.wants_draft(len(slots), lengths, horizon)
         if with_draft:
             draft_started = time.perf_counter()
             self.proposer.prefill(prompts, rows)
@@ -431,65 +314,58 @@ class Engine:
             self._append(row, [token], params)
         self._stats.prefill_seconds += time.perf_counter() - started
 
-    def _decode_step(self, batch: list[_Row | None], params: SamplingParams) -> None:
+    def _step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> int:
+        """Propose K tokens per row, verify [b, K + 1] in one target forward, accept per row;
+        K = 0 is a plain step. With a stopper the round drafts up to the largest grid K and
+        may end at a smaller one: the K drafted is returned."""
         started = time.perf_counter()
-        tokens = torch.tensor([[row.tokens[-1] if row else 0] for row in batch])
-        starts = torch.tensor([len(row.tokens) - 1 if row else 0 for row in batch])
-        logits = self.target.decode(tokens, starts, sum(1 for row in batch if row))[:, 0]
-        draws = self._draws(batch, 1, params)
-        chosen = choose(logits, params, draws.at(0) if draws else None).tolist()
-        for row, token in zip(batch, chosen, strict=True):
-            if row:
-                self._append(row, [token], params)
-        self._stats.decode_seconds += time.perf_counter() - started
-
-    def _speculative_step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> int:
-        """One round: draft K per row, verify [b, K+1] in one target forward, keep per row.
-        With a stopper, K is the largest grid K and drafting may end at a smaller one: the K
-        drafted is returned."""
-        live = [row for row in batch if row]
-        stopper = self.stopper if self.chooser.fixed is None else None
-        if stopper:
-            k = self.max_draft
-            stopper.start_round(self._round_prices(batch, params))
-        draws = self._draws(batch, k + 1, params)  # the K + 1 positions this round may fill
-        started = time.perf_counter()
-        contexts = [row.tokens if row else None for row in batch]
-        seen = [row.draft_seen if row else 0 for row in batch]
-        draft_tokens, draft_probs = self.proposer.propose(
-            contexts, seen, k, params, draws, stopper
-        )
-        k = draft_tokens.shape[1]
-        draws = draws.head(k + 1) if draws else None
+        stopper = self.draft_length.round_stopper(self._step_rows(batch, params)) if k else None
+        k = self.grid.draft_lengths[-1] if stopper else k
+        draws = self._draws(batch, k + 1, params)  # the K + 1 positions this step may fill
+        draft_tokens, draft_probs = torch.zeros(len(batch), 0, dtype=torch.long), None
+        if k:  # propose
+            contexts = [row.tokens if row else None for row in batch]
+            seen = [row.draft_seen if row else 0 for row in batch]
+            draft_tokens, draft_probs = self.proposer.propose(
+                contexts, seen, k, params, draws, stopper
+            )
+            k = draft_tokens.shape[1]
+            draws = draws.head(k + 1) if draws else None
         drafted = time.perf_counter()
-        draft_tokens = draft_tokens.to(self.device)
+        draft_tokens = draft_tokens.to(self.device)  # verify
         last = torch.tensor([[row.tokens[-1] if row else 0] for row in batch], device=self.device)
         starts = torch.tensor([len(row.tokens) - 1 if row else 0 for row in batch])
-        logits = self.target.decode(torch.cat([last, draft_tokens], 1), starts, len(live))
+        live = sum(1 for row in batch if row)
+        logits = self.target.decode(torch.cat([last, draft_tokens], 1), starts, live)
         accepted, next_token = verify(logits, draft_tokens, draft_probs, params, draws)
         accepted, next_token = accepted.tolist(), next_token.tolist()
         draft_tokens = draft_tokens.tolist()
-        self._stats.draft_seconds += drafted - started
-        self._stats.verify_seconds += time.perf_counter() - drafted
-        counts = []
-        for i, row in enumerate(batch):
-            if row is None:
-                continue
-            kept = accepted[i]
-            counts.append(kept)
-            row.rounds += 1
-            row.draft_seen = len(row.tokens) + min(kept, k - 1)  # fed: context + d1..d(K-1)
-            row.proposed += k
-            row.accepted += kept
-            row.accepted_per_position += [0] * (k - len(row.accepted_per_position))
-            for position in range(kept):
-                row.accepted_per_position[position] += 1
-            self._append(row, [*draft_tokens[i][:kept], next_token[i]], params)
-        self._stats.record_round(k, counts)
-        self.chooser.observe(k, counts)
-        if stopper:
-            stopper.observe(accepted)
+        for i, row in enumerate(batch):  # accept
+            if row is not None:
+                kept = accepted[i]
+                if k:
+                    self._count_round(row, k, kept)
+                self._append(row, [*draft_tokens[i][:kept], next_token[i]], params)
+        done = time.perf_counter()
+        if k:
+            live_accepted = [accepted[i] if row else None for i, row in enumerate(batch)]
+            self._stats.record_round(k, [n for n in live_accepted if n is not None])
+            self.draft_length.observe_round(k, live_accepted)
+            self._stats.draft_seconds += drafted - started
+            self._stats.verify_seconds += done - drafted
+        else:
+            self._stats.decode_seconds += done - started
         return k
+
+    @staticmethod
+    def _count_round(row: _Row, k: int, kept: int) -> None:
+        row.rounds += 1
+        row.draft_seen = len(row.tokens) + min(kept, k - 1)  # fed: context + d1..d(K-1)
+        row.proposed += k
+        row.accepted += kept
+        row.accepted_per_position += [0] * (k - len(row.accepted_per_position))
+        for position in range(kept):
+            row.accepted_per_position[position] += 1
 
     def _record_plain_estimate(self, admitted: list[_Row], load_mark: tuple[float, float]):
         """What this call's rows would have cost decoded plain: the plain schedule's steps at
@@ -505,44 +381,9 @@ class Engine:
             self.target.warm_priced_seconds(steps, self.target.load_since(load_mark))
         )
 
-    def _round_prices(self, batch: list[_Row | None], params: SamplingParams) -> RoundPrices:
-        """From each grid K to the next: the draft steps and wider verify it costs; what a
-        token is worth now (the chosen step's cost per token); each row's tokens left."""
-        target, draft = self._forward_prices(len(batch))
-        ks = self.grid.draft_lengths
-        onward = {
-            i: (j - i, draft(j) - draft(i) + target(j + 1) - target(i + 1))
-            for i, j in itertools.pairwise(ks)
-        }
-        left = [params.max_new_tokens - len(row.generated) if row else 0 for row in batch]
-        live = sum(1 for row in batch if row)
-        return RoundPrices(onward, self.chooser.row_token_seconds / live, left)
-
-    def _choose_k(self, batch: list[_Row | None], params: SamplingParams) -> tuple[int, float]:
-        """K for this step, and the draft catch-up seconds a K round would pay first."""
-        if self.chooser.fixed is not None:  # a fixed K ignores the price of switching
-            return self.chooser.fixed, 0.0
-        live = [row for row in batch if row]
-        switch = self.proposer.catch_up_seconds(
-            [row.tokens if row else None for row in batch],
-            [row.draft_seen if row else 0 for row in batch],
-        )
-        generated = sum(len(row.tokens) - row.prompt_len for row in live) / len(live)
-        horizon = params.max_new_tokens - generated
-        prices = self._forward_prices(len(batch))
-        return self.chooser.choose(len(batch), *prices, switch, horizon), switch
-
-    def _forward_prices(self, width: int):
-        """Measured forward times at batch bucket `width`: target [b, t] and the draft's K."""
-        return (
-            lambda t: self.target.recent_seconds_for(width, t),
-            lambda k: self.proposer.seconds_for(width, k),
-        )
-
     def _forward_seconds(self) -> float:
         """Seconds spent inside model forwards so far, target and draft."""
-        draft = self._draft_runner.busy_seconds if self._draft_runner else 0.0
-        return self.target.busy_seconds + draft
+        return sum(runner.busy_seconds for runner in self._runners)
 
     def _draws(self, batch: list[_Row | None], positions: int, params: SamplingParams):
         """The randomness for the next `positions` tokens of each row (None when greedy)."""
@@ -601,11 +442,9 @@ class Engine:
         live = rows_to_compact(slots, self.grid.batch_sizes)
         if not live:
             return
-        destinations = list(range(len(live)))
-        moves = [(s, d) for s, d in zip(live, destinations, strict=True) if s != d]
-        sources, targets = [s for s, _ in moves], [d for _, d in moves]
+        moves = [(s, d) for d, s in enumerate(live) if s != d]
         for runner in self._runners:
-            runner.cache.move_rows(sources, targets)
+            runner.cache.move_rows([s for s, _ in moves], [d for _, d in moves])
         rows = [slots[i] for i in live]
         for i in range(len(slots)):
             slots[i] = rows[i] if i < len(rows) else None

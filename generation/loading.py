@@ -1,4 +1,5 @@
-"""Resolve a ModelSpec to a local Hugging Face directory and load its tokenizer and weights.
+"""Resolve a ModelSpec to a local Hugging Face directory, load its tokenizer and weights, and
+assemble what an Engine is built from (target, proposer, draft).
 
 GGUF files are dequantised once (slow: ~13 s for SmolLM2) and cached as fp32 safetensors under
 CORPUSGEN_CACHE keyed by the file's content hash, so later loads take about a second.
@@ -13,7 +14,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from schemas import ModelSpec
+import torch
+
+from generation.device import resolve_device
+from generation.model import CausalLM, DecoderConfig
+from generation.proposers import ModelProposer, NoProposer, PromptLookupProposer
+from generation.quantize import ExactInt8Linear, int8_weights, quantized_copy
+from generation.runner import ModelRunner
+from schemas import EngineConfig, ModelSpec
 from schemas.engine import PACKAGED_PREFIX
 
 WEIGHTS_HASH_FILE = "corpusgen-weights.sha256"
@@ -243,3 +251,78 @@ def load_state_dict(model_dir: Path) -> dict:
     for file in files:
         state.update(load_file(file))
     return state
+
+
+# ---- assembling an engine's parts ------------------------------------------------------------
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: CausalLM
+    tokenizer: object
+    directory: Path
+    weights_sha256: str
+    eos_ids: frozenset[int]
+
+
+def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> LoadedModel:
+    directory = resolve_model_dir(spec)
+    config = read_config(directory)
+    model = CausalLM(DecoderConfig.from_hf(config), max_positions)
+    model.load_hf_weights(load_state_dict(directory))
+    model = model.to_dtype(DTYPES[spec.dtype]).to(device).eval()
+    if spec.quantize == "int8":
+        model = int8_weights(model, ExactInt8Linear)
+    tokenizer = load_tokenizer(directory)
+    eos = eos_token_ids(directory, config) | {tokenizer.eos_token_id} - {None}
+    return LoadedModel(model, tokenizer, directory, weights_sha256(directory), frozenset(eos))
+
+
+def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
+    t, d = target.tokenizer, draft.tokenizer
+    problems = []
+    if t.get_vocab() != d.get_vocab():
+        problems.append("vocabularies differ")
+    if t.all_special_tokens != d.all_special_tokens:
+        problems.append(f"special tokens differ ({t.all_special_tokens} vs {d.all_special_tokens})")
+    if target.model.config.vocab_size != draft.model.config.vocab_size:
+        problems.append("embedding sizes differ")
+    if problems:
+        raise ValueError(
+            f"draft model {draft.directory} cannot draft for {target.directory}: "
+            + "; ".join(problems)
+            + ". A draft must share the target's tokenizer; "
+            "use kind='quantized' or 'prompt_lookup'."
+        )
+
+
+def assemble(config: EngineConfig):
+    """What an Engine is built from: the loaded target, the device, the proposer (its draft
+    model loaded, or quantized from the target, in its own runner) and the loaded draft."""
+    device = resolve_device(config.device)
+    if device.type == "cpu" and config.cpu_threads:
+        torch.set_num_threads(config.cpu_threads)
+    grid = config.bucket_grid
+    target = load_model(config.target, grid.max_cache, device)
+    spec = config.draft
+    if spec is None:
+        return target, device, NoProposer(), None
+    if spec.kind == "prompt_lookup":
+        return target, device, PromptLookupProposer(spec.ngram_max, spec.ngram_min), None
+    draft = None
+    if spec.kind == "model":
+        draft = load_model(spec.model, grid.max_cache, device)
+        check_same_tokenizer(target, draft)
+        model, dtype = draft.model, DTYPES[spec.model.dtype]
+        if spec.dtype == "int8":
+            model = int8_weights(model)
+    else:
+        weights = spec.dtype or "int8"
+        model = quantized_copy(target.model, weights)
+        dtype = DTYPES[config.target.dtype] if weights == "int8" else torch.bfloat16
+    compile_draft = config.compile if spec.compile is None else spec.compile
+    runner = ModelRunner(model, grid, device, dtype, compile_draft, config.hpu_graphs,
+                         config.cuda_graphs)
+    return target, device, ModelProposer(runner), draft

@@ -1,4 +1,5 @@
-"""Proposers: what drafts the K tokens a speculation round verifies. One job each.
+"""Proposers: what drafts the K tokens a speculation round verifies (after transformers'
+CandidateGenerator). One job each: a draft model, prompt lookup, or nothing (plain decoding).
 
 Every proposer keeps its own per-row state in step with the target's committed tokens: a
 row's context is `tokens[slot]`, whose last token is not yet in any cache.
@@ -7,15 +8,73 @@ row's context is `tokens[slot]`, whose last token is not yet in any cache.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
 
-from generation.draft_stop import DraftStopper
 from generation.runner import ModelRunner, bucket
 from generation.sampling import Draws, chosen_probability, draft_choice
 from schemas import SamplingParams
 from schemas.engine import CATCH_UP_WIDTHS
+
+if TYPE_CHECKING:
+    from generation.draft_length import DraftStopper
+
+
+class Proposer(Protocol):
+    runner: ModelRunner | None  # a draft model's runner (its cache, shapes, timings), if any
+
+    @property
+    def forwards(self) -> int:
+        """Draft model forwards so far."""
+
+    def seconds_for(self, b: int, k: int) -> float:
+        """Recent time to draft K tokens for batch bucket b."""
+
+    def prefill_seconds(self, lengths: list[int]) -> float:
+        """Recent time of a prefill of prompts of these lengths, to price it beforehand."""
+
+    def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
+        """Bring admitted rows' draft state level with their prompts."""
+
+    def catch_up_seconds(self, contexts: list[list[int] | None], seen: list[int]) -> float:
+        """Extra seconds the next round pays to bring the draft level with the contexts."""
+
+    def propose(
+        self,
+        contexts: list[list[int] | None],
+        seen: list[int],
+        k: int,
+        params: SamplingParams,
+        draws: Draws | None,
+        stopper: DraftStopper | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens [b, K'] and, under rejection verification, their probabilities
+        [b, K', V]: K' = K, or the grid K where `stopper` ended the round."""
+
+
+class NoProposer:
+    """Plain decoding's proposer: nothing to draft and nothing to prepare, so the engine's loop
+    runs one code path (its draft-length policy never asks for K > 0)."""
+
+    runner = None
+    forwards = 0
+
+    def seconds_for(self, b: int, k: int) -> float:
+        return 0.0
+
+    def prefill_seconds(self, lengths: list[int]) -> float:
+        return 0.0
+
+    def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
+        pass
+
+    def catch_up_seconds(self, contexts, seen) -> float:
+        return 0.0
+
+    def propose(self, contexts, seen, k, params, draws, stopper=None):
+        raise RuntimeError("plain decoding drafts nothing: its policy never chooses K > 0")
 
 
 def _windows(contexts: list[list[int] | None], firsts: list[int], width: int):
@@ -160,11 +219,21 @@ def copy_confidence(ngram: int) -> float:
 class PromptLookupProposer:
     """Copies what followed the latest earlier occurrence of the context's last n-gram.
 
-    Rows without a match propose a repeat of their last token; the verifier rejects it cheaply.
-    Deterministic, so the verifier treats its distribution as one-hot. With a stopper, each
-    token's confidence says what backs it (the matched n-gram's length, or nothing), so a
-    round runs long where a row copies and ends at the smallest K where none does.
+    Example, ngram_max 3, ngram_min 1, K 3, a row's context (prompt + text so far):
+
+        [5 9 2 7 1 5 9 2]     last 3-gram: 5 9 2
+         ^^^^^                it occurred at position 0, followed by 7 1 5
+        proposal: [7 1 5]
+
+    Without a 3-gram match it tries the last 2-gram, then 1-gram (down to ngram_min); fewer
+    than K tokens after the match repeat the last one copied; no match at all proposes the
+    last token K times, which the verifier rejects cheaply. Deterministic, so the verifier
+    treats its distribution as one-hot. With a stopper, each token's confidence says what
+    backs it (the matched n-gram's length, or nothing), so a round runs long where a row
+    copies and ends at the smallest K where none does.
     """
+
+    runner = None  # no model: nothing to warm up, compact or count
 
     def __init__(self, ngram_max: int, ngram_min: int):
         self.ngram_max, self.ngram_min = ngram_max, ngram_min

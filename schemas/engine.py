@@ -22,11 +22,14 @@ CATCH_UP_WIDTHS = [2, 4, 8, 16, 32, 64]
 MIN_TEMPERATURE = 1e-3  # below it logits / T overflow float32 (1e-40 gave NaN); 0 means greedy
 
 
-class _Strict(BaseModel):
+class StrictModel(BaseModel):
+    """Every config section: unknown fields are an error (a typo, or a secret that does not
+    belong in a config), and a parsed config never changes."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class ModelSpec(_Strict):
+class ModelSpec(StrictModel):
     """Where a model's weights come from.
 
     `path` is a local Hugging Face directory (config.json + safetensors + tokenizer), a `.gguf`
@@ -58,7 +61,7 @@ class ModelSpec(_Strict):
         return path
 
 
-class DraftSpec(_Strict):
+class DraftSpec(StrictModel):
     """What proposes the tokens the target verifies.
 
     kind="model": a separate, smaller model sharing the target's tokenizer (dtype int8: its
@@ -110,7 +113,7 @@ def _ascending_unique(values: list[int], name: str) -> list[int]:
     return sorted(set(values))
 
 
-class BucketGrid(_Strict):
+class BucketGrid(StrictModel):
     """The static shapes every forward is padded to, so compiled / HPU graphs are reused."""
 
     batch_sizes: list[int] = Field([1, 2, 4, 8], description="rows per forward")
@@ -157,7 +160,7 @@ class BucketGrid(_Strict):
         return self.max_cache - self.draft_lengths[-1] - 1
 
 
-class EngineConfig(_Strict):
+class EngineConfig(StrictModel):
     """Everything needed to build an `Engine`."""
 
     target: ModelSpec = Field(description="the model whose distribution the output follows")
@@ -220,7 +223,7 @@ class EngineConfig(_Strict):
         return self
 
 
-class SamplingParams(_Strict):
+class SamplingParams(StrictModel):
     """How to pick tokens. temperature 0 means greedy."""
 
     max_new_tokens: int = Field(64, ge=1, description="tokens per completion at most")

@@ -19,6 +19,10 @@ WHERE m.filename IN (SELECT '{output_uri}/' || metrics_file FROM committed_manif
 CREATE OR REPLACE VIEW metrics AS SELECT * FROM committed_metrics;
 
 -- @section derived
+-- The one cost formula, schemas/pricing.py's device_cost (a test pins the two together).
+CREATE OR REPLACE MACRO device_cost(seconds, devices, usd_per_hour) AS
+    seconds * devices / 3600 * usd_per_hour;
+
 -- Report-time prices ($ per device-hour) that replace the price recorded at run time.
 CREATE TABLE IF NOT EXISTS price_overrides (device_type VARCHAR PRIMARY KEY, usd_per_hour DOUBLE NOT NULL);
 
@@ -26,16 +30,17 @@ CREATE TABLE IF NOT EXISTS price_overrides (device_type VARCHAR PRIMARY KEY, usd
 CREATE OR REPLACE VIEW shard_costs AS
 SELECT m.*,
        coalesce(o.usd_per_hour, m.price_per_device_hour) AS report_price_per_device_hour,
-       m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour) AS report_cost,
-       m.device_seconds / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour)
+       device_cost(m.device_seconds, 1, coalesce(o.usd_per_hour, m.price_per_device_hour))
+           AS report_cost,
+       device_cost(m.device_seconds, 1, coalesce(o.usd_per_hour, m.price_per_device_hour))
            / nullif(m.generated_tokens, 0) * 1e6 AS report_cost_per_1m_tokens,
        -- what plain decoding would have cost (null where the run could not estimate it)
-       m.plain_seconds_estimate * m.device_count / 3600 * coalesce(o.usd_per_hour, m.price_per_device_hour)
-           AS report_plain_cost,
+       device_cost(m.plain_seconds_estimate, m.device_count,
+                   coalesce(o.usd_per_hour, m.price_per_device_hour)) AS report_plain_cost,
        o.usd_per_hour IS NOT NULL AS repriced,
        -- engine load + warm-up, billed apart from the shard that happened to load the engine
-       m.engine_load_seconds * m.device_count / 3600
-           * coalesce(o.usd_per_hour, m.price_per_device_hour) AS report_engine_load_cost,
+       device_cost(m.engine_load_seconds, m.device_count,
+                   coalesce(o.usd_per_hour, m.price_per_device_hour)) AS report_engine_load_cost,
        -- "target <- draft" by file name (the draft model for kind=model, else the kind), for legends
        regexp_extract(m.target_model, '[^/]+$') || ' <- '
            || CASE WHEN m.draft_kind = 'model' THEN regexp_extract(m.draft_model, '[^/]+$')

@@ -13,7 +13,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 DEFAULT_PRICES_PATH = Path(__file__).with_name("prices.yaml")
-OVERRIDE_SOURCE = "override"
+OVERRIDE_SOURCE = "report override (--price)"  # where a price that replaced the table's came from
+
+
+def device_cost(seconds: float, devices: int, usd_per_device_hour: float) -> float:
+    """The one cost formula: `devices` devices held for `seconds` at a price per device-hour.
+    schemas/metrics_views.sql defines the same as a macro; a test pins the two together."""
+    return seconds * devices / 3600 * usd_per_device_hour
 
 
 class UnknownDeviceError(KeyError):

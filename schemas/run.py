@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from schemas.engine import EngineConfig, SamplingParams
+from schemas.engine import EngineConfig, SamplingParams, StrictModel
 from schemas.pricing import UnknownDeviceError, load_prices, price_for
 
 InputFormat = Literal["auto", "jsonl", "jsonl.gz", "parquet"]
@@ -26,11 +26,7 @@ class ConfigError(ValueError):
     """A config that cannot run; the message lists every bad field and what is expected."""
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-
-class InputSpec(_Strict):
+class InputSpec(StrictModel):
     """Where records come from and how a record becomes a prompt.
 
     Exactly one of `prompt_field` (plain text), `template` (`{field}` placeholders filled from the
@@ -103,7 +99,7 @@ def template_fields(template: str) -> list[str]:
     return names
 
 
-class GenerationSpec(_Strict):
+class GenerationSpec(StrictModel):
     """What generates: the engine (models, shapes) and how it samples."""
 
     engine: EngineConfig
@@ -114,7 +110,7 @@ class GenerationSpec(_Strict):
     )
 
 
-class ShardingSpec(_Strict):
+class ShardingSpec(StrictModel):
     """How the input is cut into shards: one Prefect task and one commit each."""
 
     rows_per_shard: int = Field(
@@ -124,7 +120,7 @@ class ShardingSpec(_Strict):
     )
 
 
-class StorageSpec(_Strict):
+class StorageSpec(StrictModel):
     """How to reach object storage. Holds no secrets: only where to find them."""
 
     endpoint_url: str | None = Field(
@@ -137,7 +133,7 @@ class StorageSpec(_Strict):
     )
 
 
-class PricingSpec(_Strict):
+class PricingSpec(StrictModel):
     """What a device-hour costs, for cost per 1M tokens (prices are configuration)."""
 
     device_type: str = Field("cpu", description="key into the price table")
@@ -163,7 +159,7 @@ class PricingSpec(_Strict):
         return price_for(load_prices(self.prices_file), self.device_type).usd_per_hour
 
 
-class DispatchSpec(_Strict):
+class DispatchSpec(StrictModel):
     """local: shard tasks run in this flow's process. deployment: batches of shards are sent to
     a `generate_shards` deployment (one flow run per batch, e.g. one pod per accelerator)."""
 
@@ -177,7 +173,7 @@ class DispatchSpec(_Strict):
     shards_per_run: int = Field(4, ge=1, description="shards per deployment flow run")
 
 
-class RunConfig(_Strict):
+class RunConfig(StrictModel):
     """A corpus run: input, generation, output and what it may cost."""
 
     input: InputSpec
@@ -207,7 +203,7 @@ class RunConfig(_Strict):
     shard_timeout_seconds: float = Field(3600, gt=0, description="a shard task's time limit")
     shard_retries: int = Field(2, ge=0, description="retries on I/O errors, exponential backoff")
     shard_lease_seconds: float = Field(
-        120, ge=1, description="a shard's lease: a second run of this config skips a shard "
+        60, ge=1, description="a shard's lease: a second run of this config skips a shard "
         "leased by a live run, and takes it over once the lease expires (its holder died)",
     )
     run_id: str | None = Field(

@@ -16,6 +16,7 @@ import json
 import os
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
@@ -263,3 +264,27 @@ def read_published(layout: RunLayout, kind: str, schema: pa.Schema) -> pa.Table:
                 tables.append(pq.read_table(file, schema=schema))
     return pa.concat_tables(tables) if tables else schema.empty_table()
 
+
+
+@dataclass(frozen=True)
+class Recovered:
+    """What a run finds committed when it starts, after repairing cut-short publishes."""
+
+    manifests: dict[str, dict[str, Any]]  # shard id -> its manifest
+    repairs: dict[str, str]  # shard id -> what finishing its publish did
+
+
+def recover(layout: RunLayout) -> Recovered:
+    """Before dispatching (after datatrove's skip-if-done): finish every publish a crash cut
+    short, in this run or an earlier one, and read what is committed (those shards are
+    skipped and their cost counts against the cap)."""
+    repairs = finish_publishes(layout)
+    return Recovered(_read_manifests(layout, sorted(committed_shard_ids(layout))), repairs)
+
+
+def finalize(layout: RunLayout) -> dict[str, str]:
+    """After dispatching: finish publishes, delete attempts that can no longer win, and check
+    every committed shard's files against its manifest. Returns shard id -> problem."""
+    finish_publishes(layout)
+    sweep_losing_attempts(layout)
+    return verify_committed(layout)

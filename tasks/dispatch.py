@@ -15,12 +15,12 @@ from prefect.futures import PrefectFuture, as_completed
 from prefect.tasks import exponential_backoff
 
 from schemas.run import RunConfig
-from tasks.commit import committed_shard_ids, read_manifest
+from tasks.commit import read_manifest
 from tasks.failures import state_failure
 from tasks.layout import RunLayout
 from tasks.planning import Plan, Shard
-from tasks.scheduling import CostBudget, run_bounded
-from tasks.shard import generate_shard, shard_spend
+from tasks.scheduling import CostBudget, run_bounded, shard_spend
+from tasks.shard import generate_shard
 from tasks.stopping import stop_requested
 
 
@@ -35,10 +35,15 @@ def shard_task(config: RunConfig):
 class RunProgress:
     """A Prefect progress artifact plus the budget, updated as shards finish."""
 
-    def __init__(self, layout: RunLayout, plan: Plan, budget: CostBudget):
+    def __init__(
+        self, layout: RunLayout, plan: Plan, budget: CostBudget, committed: dict[str, dict]
+    ):
+        """`committed`: shard id -> manifest of what was committed before dispatching."""
         self.layout, self.total, self.budget = layout, len(plan.shards), budget
         self.failed: dict[str, str] = {}  # shard id -> why
-        self.done = len(committed_shard_ids(layout))
+        self.done = len(committed)
+        for manifest in committed.values():
+            budget.record(shard_spend(manifest))
         self.artifact = create_progress_artifact(
             self._percent(), key=f"corpusgen-progress-{layout.run_id.lower().replace('_', '-')}",
             description=f"shards committed in run {layout.run_id}",

@@ -11,8 +11,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from schemas.run import InputSpec
-from tasks.records import BadRecord, Prompt, Record, truncate
+from generation.prompts import chat_text_and_ids
+from reporting.estimate import PromptCounts
+from schemas.run import InputSpec, RunConfig
+from tasks.planning import Shard
+from tasks.records import BadRecord, Prompt, Record, read_shard, truncate
+from tasks.storage import filesystem
 
 CHAT, RAW = "chat", "raw"
 
@@ -43,8 +47,7 @@ def render_prompt(tokenizer: Any, prompt: Prompt, spec: InputSpec) -> tuple[str,
             "no_chat_template: the tokenizer has no chat template for messages_field chats; "
             "use prompt_field/template with input.chat_template: off"
         )
-    text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
-    return text, tokenizer(text, add_special_tokens=False).input_ids  # the template has them
+    return chat_text_and_ids(tokenizer, prompt)
 
 
 def render_records(
@@ -61,3 +64,18 @@ def render_records(
             continue
         rendered.append(replace(record, prompt=ids, prompt_text=text))
     return rendered, bad
+
+
+def count_prompts(config: RunConfig, shards: list[Shard], tokenizer: Any) -> PromptCounts:
+    """Read every shard and render its prompts as a shard would (the chat template included),
+    with the target's tokenizer alone: what `corpusgen plan` estimates from."""
+    input_fs, _ = filesystem(config.input.uri, config.storage)
+    rows = bad_rows = 0
+    lengths: list[int] = []
+    for shard in shards:
+        good, bad = read_shard(input_fs, shard, config.input, config.seed)
+        rendered, unrenderable = render_records(tokenizer, good, config.input)
+        rows += len(good) + len(bad)
+        bad_rows += len(bad) + len(unrenderable)
+        lengths += [len(record.prompt) for record in rendered]
+    return PromptCounts(rows, bad_rows, lengths, prompt_format(tokenizer, config.input))

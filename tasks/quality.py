@@ -9,10 +9,10 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+from reporting.metrics import guard_fractions
 from schemas.run import RunConfig
 from tasks.failures import RunFailed
 from tasks.records import BadRecord
-from tasks.reporting import guard_fractions
 
 
 class QualityError(RunFailed):

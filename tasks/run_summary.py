@@ -1,5 +1,5 @@
-"""The run's closing numbers, computed from committed metrics with the reporting code, so the
-flow's summary artifact and `corpusgen report` never disagree."""
+"""The flow's last reporting step: read the run's committed metrics, summarise them
+(reporting/summary.py) and publish the summary as Prefect artifacts."""
 
 from __future__ import annotations
 
@@ -7,91 +7,19 @@ from typing import Any
 
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from reporting.summary import cost_report_markdown, run_summary, summary_figures
 from schemas.arrow import METRICS_SCHEMA
 from tasks.commit import read_published
 from tasks.layout import RunLayout
 from tasks.planning import Plan
-from tasks.reporting import summarize_metrics
-
-COUNT_FIELDS = ("ok_rows", "error_rows", "empty_completions", "prompt_tokens", "generated_tokens")
-# None when undefined (no tokens, nothing proposed): an honest blank, not a zero.
-FIGURE_FIELDS = (
-    "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds",
-    "device_seconds", "cost", "engine_load_seconds", "engine_load_cost", "total_cost",
-    "cost_per_1m_tokens", "total_cost_per_1m_tokens",
-)
 
 
 def summarize_run(
     layout: RunLayout, output: str, plan: Plan, unscheduled: int, failed: list[str]
 ) -> dict[str, Any]:
     metrics = read_published(layout, "metrics", METRICS_SCHEMA)
-    report = summarize_metrics(metrics) if metrics.num_rows else {"total": {}, "error_reasons": []}
-    totals = report["total"]
-    return {
-        "run_id": layout.run_id,
-        "run_date": layout.run_date,
-        "output": output,
-        "shards_planned": len(plan.shards),
-        "shards_committed": metrics.num_rows,
-        "shards_failed": failed,
-        "stopped_on_budget": unscheduled > 0,
-        "shards_not_scheduled": unscheduled,
-        **{field: totals.get(field) or 0 for field in COUNT_FIELDS},
-        **{field: totals.get(field) for field in FIGURE_FIELDS},
-        "error_reasons": [
-            {"reason": r["reason"], "rows": r["rows"]}
-            for r in report["error_reasons"] if r["level"] == "total"
-        ],
-        "data": f"{output}/data/run_date={layout.run_date}/run_id={layout.run_id}/",
-        "errors": f"{output}/errors/run_date={layout.run_date}/run_id={layout.run_id}/",
-        "metrics": f"{output}/metrics/run_date={layout.run_date}/run_id={layout.run_id}/",
-    }
-
-
-def _usd(value: float | None, digits: int = 6) -> str:
-    return "n/a" if value is None else f"${value:.{digits}f}"
-
-
-def _number(value: float | None, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:,.{digits}f}"
-
-
-def summary_figures(summary: dict[str, Any]) -> list[tuple[str, str]]:
-    """The handful of named figures a person reads first, formatted (n/a when undefined)."""
-    rows = summary["ok_rows"] + summary["error_rows"]
-    reasons = ", ".join(f"{r['reason']} {r['rows']}" for r in summary["error_reasons"]) or "none"
-    return [
-        ("shards committed", f"{summary['shards_committed']} of {summary['shards_planned']}"),
-        ("rows ok / error", f"{summary['ok_rows']:,} / {summary['error_rows']:,} of {rows:,}"),
-        ("error reasons", reasons),
-        ("empty completions", f"{summary['empty_completions']:,}"),
-        ("generated tokens", f"{summary['generated_tokens']:,}"),
-        ("tokens per second", _number(summary["tokens_per_second"], 1)),
-        ("acceptance rate", _number(summary["acceptance_rate"])),
-        ("mean accepted length", _number(summary["mean_accepted_length"])),
-        ("generation cost", f"{_usd(summary['cost'])} "
-                            f"({_number(summary['device_seconds'], 1)} device-s)"),
-        ("engine load cost", f"{_usd(summary['engine_load_cost'])} "
-                             f"({_number(summary['engine_load_seconds'], 1)} s)"),
-        ("total cost", _usd(summary["total_cost"])),
-        ("total cost per 1M tokens", _usd(summary["total_cost_per_1m_tokens"], 4)),
-    ]
-
-
-def cost_report_markdown(summary: dict[str, Any], usd_per_hour: float, device_type: str) -> str:
-    budget = (
-        f"**Stopped on budget**: {summary['shards_not_scheduled']} shard(s) not scheduled.\n\n"
-        if summary["stopped_on_budget"] else ""
-    )
-    rows = "".join(f"| {name} | {value} |\n" for name, value in summary_figures(summary))
-    return (
-        f"# Run `{summary['run_id']}`\n\n{budget}"
-        f"| | |\n|---|---|\n| device | {device_type} at ${usd_per_hour:.4f}/device-hour |\n"
-        f"{rows}\nTotal cost = generation cost + engine load cost.\n\n"
-        f"Outputs: `{summary['data']}`; errors: `{summary['errors']}`; "
-        f"metrics: `{summary['metrics']}`.\n"
-    )
+    return run_summary(metrics, layout.run_id, layout.run_date, output, len(plan.shards),
+                       unscheduled, failed)
 
 
 def publish_summary_artifacts(summary: dict[str, Any], usd_per_hour: float, device_type: str):

@@ -6,9 +6,14 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 Work = TypeVar("Work")
+
+
+def shard_spend(summary: dict[str, Any]) -> float:
+    """What a committed shard cost, its engine load included (what the cost cap counts)."""
+    return summary["cost"] + (summary.get("engine_load_cost") or 0.0)
 
 
 @dataclass

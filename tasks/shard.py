@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
+from schemas.pricing import device_cost
 from schemas.run import RunConfig
 from tasks import leases
 from tasks.commit import (
@@ -60,24 +61,6 @@ class ShardOutcome:
     # live run generates it now)
     status: str
     summary: dict[str, Any]  # SUMMARY_FIELDS of the committed attempt
-
-
-
-
-def _drop_too_long(engine, records: list[Record]) -> tuple[list[Record], list[BadRecord]]:
-    keep, bad = [], []
-    for record in records:
-        tokens = engine.count_prompt_tokens(record.prompt)
-        if tokens > engine.max_prompt_tokens:
-            reason = (
-                f"prompt_too_long: {tokens} tokens > largest prompt bucket "
-                f"{engine.max_prompt_tokens}; shorten it or raise bucket_grid.prompt_lengths"
-            )
-            raw = truncate(record.prompt_text)
-            bad.append(BadRecord(record.row, record.record_id, reason, raw))
-        else:
-            keep.append(record)
-    return keep, bad
 
 
 def _generate(engine, records: list[Record], sampling, shard: Shard) -> list:
@@ -158,7 +141,6 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
     with leased_engine(generation.engine, generation.warmup) as lease:
         engine = lease.engine
         records, unrenderable = render_records(engine.tokenizer, records, config.input)
-        records, too_long = _drop_too_long(engine, records)
         records = with_samples(records, generation.samples_per_prompt, config.seed)
         engine.reset_stats()
         completions = _generate(engine, records, generation.sampling, shard)
@@ -167,9 +149,10 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         chat_template = prompt_format(engine.tokenizer, config.input)
         held_seconds = lease.held_seconds()
     ok = [(r, c) for r, c in zip(records, completions, strict=True) if c.finish_reason != "error"]
-    bad += unrenderable + too_long + [
-        BadRecord(r.row, r.record_id, f"engine_error: {c.error}", truncate(r.prompt_text))
-        for r, c in zip(records, completions, strict=True) if c.finish_reason == "error"
+    bad += unrenderable + [  # a prompt the engine refused (too long, ...): one row per record
+        BadRecord(r.row, r.record_id, c.error, truncate(r.prompt_text))
+        for r, c in zip(records, completions, strict=True)
+        if c.finish_reason == "error" and r.sample_index == 0
     ]
     data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad)
     metrics = {
@@ -201,11 +184,6 @@ def summary_of(manifest_or_metrics: dict[str, Any]) -> dict[str, Any]:
     return {k: manifest_or_metrics.get(k) for k in SUMMARY_FIELDS}
 
 
-def shard_spend(summary: dict[str, Any]) -> float:
-    """What a committed shard cost, its engine load included (what the cost cap counts)."""
-    return summary["cost"] + (summary.get("engine_load_cost") or 0.0)
-
-
 def _metrics_row(
     config: RunConfig,
     layout: RunLayout,
@@ -223,12 +201,12 @@ def _metrics_row(
     """The shard's engine counters, rows, time and what it cost; `wall` is engine-held time."""
     from generation import ENGINE_VERSION  # lazily: torch stays out of `corpusgen plan`
 
-    price = config.pricing.usd_per_hour()
-    device_seconds = wall * config.devices_per_slot
-    cost = device_seconds / 3600 * price
+    price, devices = config.pricing.usd_per_hour(), config.devices_per_slot
+    device_seconds = wall * devices
+    cost = device_cost(wall, devices, price)
     saved = engine_stats["seconds_saved_by_speculation"]
     plain_seconds = None if saved is None else wall + saved
-    plain_cost = None if saved is None else plain_seconds * config.devices_per_slot / 3600 * price
+    plain_cost = None if saved is None else device_cost(plain_seconds, devices, price)
     return {
         **{field: engine_stats[field] for field in ENGINE_METRIC_FIELDS},
         "run_id": layout.run_id,
@@ -242,7 +220,7 @@ def _metrics_row(
         "wall_seconds": wall,
         "tokens_per_second": generated / wall if wall else None,
         "device_type": config.pricing.device_type,
-        "device_count": config.devices_per_slot,
+        "device_count": devices,
         "device_seconds": device_seconds,
         "price_per_device_hour": price,
         "cost": cost,
@@ -252,7 +230,7 @@ def _metrics_row(
         "started_at": started_at,
         "finished_at": dt.datetime.now(dt.UTC),
         "engine_load_seconds": load_seconds,
-        "engine_load_cost": load_seconds * config.devices_per_slot / 3600 * price,
+        "engine_load_cost": device_cost(load_seconds, devices, price),
         "plain_seconds_estimate": plain_seconds,
         "plain_cost_estimate": plain_cost,
     }

@@ -41,9 +41,10 @@ def storage_options(uri: str, storage: StorageSpec) -> dict[str, Any]:
     return options
 
 
-def filesystem(uri: str, storage: StorageSpec) -> tuple[AbstractFileSystem, str]:
-    """The filesystem holding `uri` and the path inside it (no protocol)."""
-    fs, path = fsspec.core.url_to_fs(uri, **storage_options(uri, storage))
+def filesystem(uri: str, storage: StorageSpec, **extra: Any) -> tuple[AbstractFileSystem, str]:
+    """The filesystem holding `uri` and the path inside it (no protocol); `extra`: more
+    fsspec options (`corpusgen report --storage-option`)."""
+    fs, path = fsspec.core.url_to_fs(uri, **storage_options(uri, storage), **extra)
     return fs, path.rstrip("/")
 
 

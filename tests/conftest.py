@@ -15,6 +15,11 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # Subprocesses (prefect, corpusgen, the deployment scripts) must come from the environment that
 # runs the tests, also when it is not activated (CI runs .venv/bin/python -m pytest).
 os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"
+if os.environ.get("PYTEST_XDIST_WORKER"):  # make test: two workers on two cores, and torch's
+    os.environ["OMP_NUM_THREADS"] = "1"  # 2-thread regions then wait on each other (one test
+    import torch  # went from 12 s to 97 s); one thread each, their subprocesses too
+
+    torch.set_num_threads(1)
 
 SMOLLM2 = "packaged:smollm2-135m-instruct"
 pytest_plugins = ["pipeline_fixtures"]  # the session's Prefect server, shared by every module

@@ -10,11 +10,11 @@ import re
 from pathlib import Path
 
 import pytest
-from headless_chromium import ChromiumMissing, colour_stats, headless_chromium
-from reporting_fixtures import daily_history, metrics_row, three_runs, write_shard
 
-from tasks.dashboard import _kpis, charts, render_dashboard
-from tasks.reporting import build_report, open_committed_metrics
+from bench.browser import ChromiumMissing, colour_stats, headless_chromium
+from bench.metrics_history import daily_history, metrics_row, three_runs, write_shard
+from reporting.dashboard import _kpis, charts, render_dashboard
+from reporting.metrics import build_report, open_committed_metrics
 
 ARTIFACTS = Path(__file__).resolve().parent.parent / "test-artifacts"
 

@@ -30,8 +30,6 @@ from prefect.client.orchestration import SyncPrefectClient
 from prefect.client.schemas.filters import (
     DeploymentFilter,
     DeploymentFilterName,
-    FlowRunFilter,
-    FlowRunFilterId,
 )
 
 from schemas import parse_run_config
@@ -314,64 +312,6 @@ def test_trigger_rejects_a_bad_config_before_queueing_anything(tmp_path) -> None
 
 
 @pytest.mark.slow
-def test_ci_run_spreads_shards_over_both_workers_exactly_once(
-    stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
-) -> None:
-    rows = good_rows(32)
-    write_jsonl(tmp_path / "in.jsonl", rows)
-    fs = s3fs.S3FileSystem(
-        endpoint_url=s3_endpoint["endpoint_url"], key=ACCESS_KEY, secret=SECRET_KEY
-    )
-    fs.put(str(tmp_path / "in.jsonl"), "corpus-test/e2e/in.jsonl")
-    config = s3_config(
-        s3_endpoint, tiny_llama_dir, "s3://corpus-test/e2e/in.jsonl", "s3://corpus-test/e2e/out"
-    )
-
-    result, flow_run_id = deployment_run(stack, config, tmp_path)
-    assert result.returncode == 0, (
-        f"{result.stdout}\n{result.stderr}\n{flow_run_log_text(stack, flow_run_id)}"
-    )
-
-    root = "corpus-test/e2e/out"
-    data = ds.dataset(f"{root}/data", filesystem=fs, partitioning="hive").to_table()
-    ids = data.column("id").to_pylist()
-    assert sorted(ids) == sorted(row["id"] for row in rows)  # complete, no duplicates
-    metrics = ds.dataset(f"{root}/metrics", filesystem=fs, partitioning="hive").to_table()
-    shard_ids = metrics.column("shard_id").to_pylist()
-    planned = len(rows) // config["sharding"]["rows_per_shard"]
-    assert len(shard_ids) == len(set(shard_ids)) == planned
-    assert len(fs.glob(f"{root}/manifests/*")) == planned  # each shard committed once
-    assert set(data.column("shard_id").to_pylist()) == set(shard_ids)
-    worker_ids = set(metrics.column("worker_id").to_pylist())
-    assert len(worker_ids) >= 2
-
-    with client(stack) as api:
-        shard_runs = api.read_flow_runs(
-            deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["default"]))
-        )
-        parent = api.read_flow_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id]))
-        )[0]
-        assert len(shard_runs) == planned and all(r.state.is_completed() for r in shard_runs)
-    worker_of_run = wait_for_submitting_workers(stack, {str(run.id) for run in shard_runs})
-    workers_of_shards: dict[str, set[str]] = {}
-    for run in shard_runs:
-        workers_of_shards.setdefault(worker_of_run[str(run.id)], set()).update(
-            run.parameters["shard_ids"]
-        )
-    assert set(workers_of_shards) == {"e2e-card0", "e2e-card1"}, workers_of_shards
-    assert set().union(*workers_of_shards.values()) == set(shard_ids)
-    assert parent.state.is_completed()
-
-    # Credentials came from the workers' environment and were never written anywhere.
-    for path in fs.find(root):
-        content = fs.cat_file(path)
-        assert ACCESS_KEY.encode() not in content and SECRET_KEY.encode() not in content
-    assert SECRET_KEY not in json.dumps(parent.parameters)
-    assert parse_run_config(parent.parameters["config"]).storage.endpoint_url
-
-
-@pytest.mark.slow
 def test_two_workers_racing_on_the_same_shards_commit_each_once(
     stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
@@ -479,18 +419,23 @@ def test_yaml_entrypoints_pools_and_configs_fit_together() -> None:
 
 
 @pytest.mark.slow
-def test_a_watch_timeout_names_the_run_and_cancelling_it_ends_cancelled_then_a_rerun_finishes(
+def test_a_ci_run_cancelled_after_its_watch_times_out_ends_cancelled_and_a_rerun_completes(
     stack: PrefectStack, s3_bucket, s3_endpoint, tiny_llama_dir, tmp_path
 ) -> None:
-    """The CI job stops watching after its timeout with one line saying how to cancel the run;
-    cancelling it from the API ends it Cancelled (not Crashed) without scheduling more shards,
-    and the same config run again completes with every record exactly once."""
+    """The CI job (trigger.sh) stops watching after its timeout with one line saying how to
+    cancel the run; cancelling it from the API ends it Cancelled (not Crashed) without
+    scheduling more shards. The same config triggered again completes: every record once,
+    every shard committed once, shards spread over both card workers, credentials (from the
+    workers' environment) written nowhere."""
     rows = good_rows(24)
     write_jsonl(tmp_path / "in.jsonl", rows)
-    fs = s3fs.S3FileSystem(endpoint_url=s3_endpoint["endpoint_url"])
-    fs.put(str(tmp_path / "in.jsonl"), "corpus-test/cancel/in.jsonl")
-    config = s3_config(s3_endpoint, tiny_llama_dir, "s3://corpus-test/cancel/in.jsonl",
-                       "s3://corpus-test/cancel/out")
+    fs = s3fs.S3FileSystem(
+        endpoint_url=s3_endpoint["endpoint_url"], key=ACCESS_KEY, secret=SECRET_KEY
+    )
+    fs.put(str(tmp_path / "in.jsonl"), "corpus-test/e2e/in.jsonl")
+    config = s3_config(
+        s3_endpoint, tiny_llama_dir, "s3://corpus-test/e2e/in.jsonl", "s3://corpus-test/e2e/out"
+    )
     config["sharding"]["rows_per_shard"] = 4
     config["generation"]["sampling"]["max_new_tokens"] = 64
     result, flow_run_id = deployment_run(stack, config, tmp_path, watch_seconds=15)
@@ -501,16 +446,38 @@ def test_a_watch_timeout_names_the_run_and_cancelling_it_ends_cancelled_then_a_r
     stack.check("prefect", "flow-run", "cancel", flow_run_id)
     with client(stack) as api:
         deadline = time.monotonic() + 120
-        while not (run := api.read_flow_run(flow_run_id)).state.is_final():
-            assert time.monotonic() < deadline, run.state
+        while not (cancelled := api.read_flow_run(flow_run_id)).state.is_final():
+            assert time.monotonic() < deadline, cancelled.state
             time.sleep(1)
-    assert run.state.is_cancelled(), run.state  # not Crashed
-    root = "corpus-test/cancel/out"
+    assert cancelled.state.is_cancelled(), cancelled.state  # not Crashed
+    root = "corpus-test/e2e/out"
     fs.invalidate_cache()
-    assert len(fs.glob(f"{root}/manifests/*.json")) < 6  # it stopped before the end
+    planned = len(json.loads(fs.cat_file(fs.glob(f"{root}/plan/*/*/plan.json")[0]))["shards"])
+    assert len(fs.glob(f"{root}/manifests/*.json")) < planned  # it stopped before the end
 
     result, rerun_id = deployment_run(stack, config, tmp_path)
     assert result.returncode == 0, flow_run_log_text(stack, rerun_id)
     fs.invalidate_cache()
     data = ds.dataset(f"{root}/data", filesystem=fs, partitioning="hive").to_table()
     assert sorted(data.column("id").to_pylist()) == sorted(row["id"] for row in rows)
+    metrics = ds.dataset(f"{root}/metrics", filesystem=fs, partitioning="hive").to_table()
+    shard_ids = metrics.column("shard_id").to_pylist()
+    assert len(shard_ids) == len(set(shard_ids)) == planned
+    assert len(fs.glob(f"{root}/manifests/*")) == planned  # each shard committed once
+    assert set(data.column("shard_id").to_pylist()) == set(shard_ids)
+    with client(stack) as api:
+        shard_runs = [
+            run for run in api.read_flow_runs(
+                deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=["default"]))
+            )
+            if run.parameters["config"]["output"] == config["output"]
+        ]
+        parent = api.read_flow_run(rerun_id)
+    assert parent.state.is_completed()
+    worker_of_run = wait_for_submitting_workers(stack, {str(run.id) for run in shard_runs})
+    assert {worker_of_run[str(run.id)] for run in shard_runs} == {"e2e-card0", "e2e-card1"}
+    for path in fs.find(root):
+        content = fs.cat_file(path)
+        assert ACCESS_KEY.encode() not in content and SECRET_KEY.encode() not in content
+    assert SECRET_KEY not in json.dumps(parent.parameters)
+    assert parse_run_config(parent.parameters["config"]).storage.endpoint_url

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from engine_helpers import SMALL_GRID, engine_for, varied_prompts
 
-from generation.metrics import DraftLengthChooser
+from generation.draft_length import DraftLengthChooser
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
 
@@ -22,7 +22,7 @@ def draft_seconds(k: int) -> float:
 
 def sure_chooser(alpha: float = 0.8, **kwargs) -> DraftLengthChooser:
     """A chooser with strong evidence of `alpha` (its exploration pushed far away)."""
-    chooser = DraftLengthChooser([2, 4], None, explore_every=1000, max_explore_every=1000, **kwargs)
+    chooser = DraftLengthChooser([2, 4], explore_every=1000, max_explore_every=1000, **kwargs)
     chooser.accepted, chooser.trials = 1e6 * alpha, 1e6
     return chooser
 
@@ -75,9 +75,7 @@ def test_exploring_speculation_waits_until_its_catch_up_fits_the_budget():
     so a paying draft is still found while plain decoding wins on the prior."""
 
     def choices(switch_seconds: float) -> list[int]:
-        chooser = DraftLengthChooser(
-            [2], None, explore_every=4, max_explore_every=4, explore_budget=0.05
-        )
+        chooser = DraftLengthChooser([2], explore_every=4, max_explore_every=4, explore_budget=0.05)
         chooser.accepted, chooser.trials = 0.0, 1e6  # nothing is ever accepted: plain wins
         prices = (target_seconds, draft_seconds, switch_seconds, LONG)
         return [chooser.choose(1, *prices) for _ in range(8)]
@@ -98,9 +96,10 @@ def draft_engine(tiny_llama_dir, draft_dir):
 
 def test_no_draft_prefill_while_plain_wins(tiny_llama_dir, tiny_llama_other_dir, monkeypatch):
     engine = draft_engine(tiny_llama_dir, tiny_llama_other_dir)
-    engine.chooser.accepted, engine.chooser.trials = 0.0, 1e6  # the draft is never right
+    policy = engine.draft_length
+    policy.chooser.accepted, policy.chooser.trials = 0.0, 1e6  # the draft is never right
     # Sub-millisecond forwards of tiny models are noise on a busy host: price them fixed.
-    monkeypatch.setattr(engine, "_forward_prices", lambda width: (target_seconds, draft_seconds))
+    monkeypatch.setattr(policy, "_forward_prices", lambda width: (target_seconds, draft_seconds))
     engine.generate(varied_prompts(4), SamplingParams(max_new_tokens=8))
     assert engine.stats.draft_forwards == 0
     assert engine.stats.steps_per_k == {0: engine.stats.steps_per_k[0]}
@@ -116,8 +115,9 @@ def test_a_skipped_draft_catches_up_exactly(tiny_llama_dir, monkeypatch):
     engine = draft_engine(tiny_llama_dir, tiny_llama_dir)
     draft_shapes = set(engine.proposer.runner.shapes)
     steps = iter(range(10_000))
-    monkeypatch.setattr(engine.chooser, "wants_draft", lambda *args: False)
-    monkeypatch.setattr(engine.chooser, "choose", lambda *args: 0 if next(steps) < 110 else 2)
+    chooser = engine.draft_length.chooser
+    monkeypatch.setattr(chooser, "wants_draft", lambda *args: False)
+    monkeypatch.setattr(chooser, "choose", lambda *args: 0 if next(steps) < 110 else 2)
     completions = engine.generate(prompts, params)
     assert [c.token_ids for c in completions] == [c.token_ids for c in plain]
     assert engine.stats.steps_per_k[2] > 0 and engine.stats.acceptance_rate == 1.0
@@ -127,7 +127,7 @@ def test_a_skipped_draft_catches_up_exactly(tiny_llama_dir, monkeypatch):
 def test_a_new_calls_text_outweighs_what_earlier_calls_measured_within_a_few_rounds():
     """Batch-8 code accepted almost everything (alpha ~0.95, hundreds of trials); then one
     free-text prompt accepts half. Three rounds of it bring K down from the longest."""
-    chooser = DraftLengthChooser([2, 4, 6], None, explore_every=1000, max_explore_every=1000)
+    chooser = DraftLengthChooser([2, 4, 6], explore_every=1000, max_explore_every=1000)
     for _ in range(30):
         chooser.observe(6, [6, 6, 5, 6, 6, 6, 4, 6])
         chooser.choose(8, target_seconds, draft_seconds, 0.0, LONG)

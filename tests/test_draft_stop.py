@@ -8,7 +8,7 @@ import pytest
 import torch
 from engine_helpers import engine_for, varied_prompts
 
-from generation.draft_stop import DraftStopper, RoundPrices
+from generation.draft_length import DraftStopper, RoundPrices
 from generation.proposers import PromptLookupProposer
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
@@ -103,11 +103,12 @@ def test_the_engine_drafts_on_only_where_tokens_are_kept_and_tokens_stay_plain(
     engine = engine_for(
         tiny_llama_dir, draft=DraftSpec(kind="model", model=ModelSpec(path=str(draft_dir)))
     )
-    monkeypatch.setattr(engine.chooser, "choose", lambda *args: 2)
+    policy = engine.draft_length
+    monkeypatch.setattr(policy.chooser, "choose", lambda *args: 2)
     monkeypatch.setattr(
-        engine,
-        "_round_prices",
-        lambda batch, params: RoundPrices(ONWARD, 1.0, [FAR if row else 0 for row in batch]),
+        policy,
+        "round_prices",
+        lambda rows: RoundPrices(ONWARD, 1.0, [FAR if ctx else 0 for ctx in rows.contexts]),
     )
     prompts, params = varied_prompts(8), SamplingParams(max_new_tokens=24)
     completions = engine.generate(prompts, params)

@@ -91,7 +91,7 @@ def test_too_long_prompt_is_an_error_and_others_go_on(tiny_llama_dir):
         ["hello there", too_long, "good morning"], SamplingParams(max_new_tokens=4)
     )
     assert completions[1].finish_reason == "error"
-    assert "largest prompt bucket (32)" in completions[1].error
+    assert completions[1].error.startswith("prompt_too_long: 61 tokens > largest prompt bucket 32")
     assert completions[0].finish_reason == completions[2].finish_reason == "length"
     assert len(completions[0].token_ids) == len(completions[2].token_ids) == 4
 

@@ -45,7 +45,8 @@ def s3_config(tmp_path, fs, proxy, model_dir, rows: int, rows_per_shard: int) ->
     fs.put(str(tmp_path / "in.jsonl"), "corpus-test/in/in.jsonl")
     config = run_config("s3://corpus-test/in/in.jsonl", f"s3://{BUCKET_ROOT}",
                         tiny_engine(model_dir), sharding={"rows_per_shard": rows_per_shard},
-                        storage={"endpoint_url": proxy.url}, run_id="faults")
+                        storage={"endpoint_url": proxy.url}, run_id="faults",
+                        shard_lease_seconds=3)  # a killed run's leases expire soon
     config["generation"]["sampling"]["max_new_tokens"] = 4
     return config
 

@@ -52,7 +52,8 @@ def test_sigkill_then_rerun_equals_an_uninterrupted_run(
     rows = good_rows(SHARDS * 3)
     write_jsonl(tmp_path / "in.jsonl", rows)
     config = run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "killed"),
-                        tiny_engine(tiny_llama_dir), sharding={"rows_per_shard": 3})
+                        tiny_engine(tiny_llama_dir), sharding={"rows_per_shard": 3},
+                        shard_lease_seconds=3)  # the killed run's leases expire soon
     config_path = tmp_path / "run.yaml"
     config_path.write_text(yaml.safe_dump(config))
 

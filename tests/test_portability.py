@@ -127,7 +127,7 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
     env.pop(kernels.DISABLE_ENV, None)
     done = subprocess.run(
         [QEMU, "-cpu", "Haswell", sys.executable, str(TESTS / "portable_engine_check.py"),
-         str(tiny_llama_small_vocab_dir)],
+         str(tiny_llama_small_vocab_dir), "--greedy-only"],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert done.returncode == 0, done.stderr[-3000:]

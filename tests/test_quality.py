@@ -59,7 +59,7 @@ def test_guards_name_what_failed_and_pass_within_the_limits():
 
 
 def test_summary_figures_are_named_and_blank_when_undefined():
-    from tasks.run_summary import COUNT_FIELDS, FIGURE_FIELDS, cost_report_markdown, summary_figures
+    from reporting.summary import COUNT_FIELDS, FIGURE_FIELDS, cost_report_markdown, summary_figures
 
     summary = {**summary_with(error_rows=6, error_reasons=[{"reason": "missing_field", "rows": 6}]),
                **dict.fromkeys(COUNT_FIELDS, 0), "error_rows": 6, **dict.fromkeys(FIGURE_FIELDS),
@@ -250,7 +250,8 @@ def test_plain_prompts_on_smollm2_get_answers_and_raw_text_trips_the_empty_guard
 def test_report_reads_outputs_written_before_the_new_columns(tmp_path):
     """Metrics files from before empty_completions/engine_load_* existed: those read as null."""
     import pyarrow.parquet as pq
-    from reporting_fixtures import metrics_row, write_shard
+
+    from bench.metrics_history import metrics_row, write_shard
 
     path = write_shard(str(tmp_path), metrics_row("old-run", "s0"))
     old = pq.read_table(path)

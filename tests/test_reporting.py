@@ -6,10 +6,8 @@ import csv
 import datetime as dt
 import io
 import json
-import re
 import statistics
 from collections import Counter
-from pathlib import Path
 
 import duckdb
 import pyarrow as pa
@@ -23,37 +21,40 @@ from pipeline_fixtures import (
     tiny_engine,
     write_jsonl,
 )
-from reporting_fixtures import (
-    COPY_PROMPTS,
+from typer.testing import CliRunner
+
+from bench.metrics_history import (
     daily_history,
     metrics_row,
     three_runs,
     write_shard,
 )
-from typer.testing import CliRunner
-
+from bench.workloads import COPY_PROMPTS
 from flows.cli import app
 from flows.generate import generate_corpus
 from generation import Engine
 from generation.metrics import EngineStats
 from generation.schedule import plain_decode_steps
-from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams
-from schemas.arrow import METRICS_SCHEMA
-from schemas.pricing import (
-    DEFAULT_PRICES_PATH,
-    UnknownDeviceError,
-    load_prices,
-    parse_price_overrides,
-    price_for,
-)
-from tasks.dashboard import render_dashboard
-from tasks.reporting import (
+from reporting.dashboard import render_dashboard
+from reporting.metrics import (
     NoMetricsError,
     build_report,
     open_committed_metrics,
     summarize_metrics,
     views_sql,
 )
+from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams
+from schemas.arrow import METRICS_SCHEMA
+from schemas.pricing import (
+    DEFAULT_PRICES_PATH,
+    OVERRIDE_SOURCE,
+    UnknownDeviceError,
+    load_prices,
+    parse_price_overrides,
+    price_for,
+)
+from schemas.run import StorageSpec
+from tasks.storage import filesystem
 
 
 def test_packaged_prices_cover_required_devices_with_date_and_source():
@@ -69,7 +70,7 @@ def test_packaged_prices_cover_required_devices_with_date_and_source():
 def test_price_overrides_replace_the_entry_and_say_so():
     prices = load_prices(overrides={"gaudi2": 1.25})
     assert prices["gaudi2"].usd_per_hour == 1.25
-    assert prices["gaudi2"].source == "override"
+    assert prices["gaudi2"].source == OVERRIDE_SOURCE == "report override (--price)"
     assert prices["cpu"] == load_prices()["cpu"]
 
 
@@ -235,7 +236,8 @@ def test_report_over_moto_s3_matches_hand_computation(s3_bucket):
     for row in three_runs():
         write_shard(root, row, s3_bucket)
     write_shard(root, metrics_row("run-b", "run-b-s9", generated_tokens=10**9), s3_bucket, False)
-    assert_hand_computed_figures(build_report(open_committed_metrics(root, s3_bucket)))
+    fs, _ = filesystem(root, StorageSpec(endpoint_url=s3_bucket["endpoint_url"]))
+    assert_hand_computed_figures(build_report(open_committed_metrics(root, fs)))
 
 
 # --- the `corpusgen report` command ---------------------------------------------------------------
@@ -313,16 +315,6 @@ def test_cli_views_prints_sql_for_this_output(local_runs):
     assert result.exit_code == 0
     assert f"read_json('{local_runs}/manifests/*.json'" in result.stdout
     assert "CREATE OR REPLACE VIEW cost_rollup" in result.stdout
-
-
-def test_readme_documents_every_metrics_column_with_its_type_and_doc():
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    for field in METRICS_SCHEMA:
-        row = re.search(rf"^\| `{field.name}` \| `([^`]+)` \| (.+) \|$", readme, re.M)
-        assert row is not None, f"README lacks metrics column {field.name}"
-        assert row.group(1) == str(field.type), field.name
-        doc = (field.metadata or {}).get(b"doc", b"").decode().replace("|", "\\|")
-        assert doc in row.group(2), field.name
 
 
 # --- over the real pipeline's outputs ------------------------------------------------------------
@@ -444,8 +436,8 @@ def test_plain_steps_are_priced_at_warm_up_times_scaled_by_the_load_now(tiny_lla
     assert runner.warm_priced_seconds(Counter({(b + 1, attend): 3}), load) is None  # unwarmed
 
 
-REPLAY_GRID = BucketGrid(  # SmolLM2's copy prompts are 70-75 tokens: contexts cross 96
-    batch_sizes=[1, 2, 4], prompt_lengths=[80], cache_lengths=[96, 256], draft_lengths=[4]
+REPLAY_GRID = BucketGrid(  # SmolLM2's copy prompts are 88-91 tokens: contexts cross 128
+    batch_sizes=[1, 2, 4], prompt_lengths=[96], cache_lengths=[128, 256], draft_lengths=[4]
 )
 
 
@@ -479,7 +471,7 @@ def test_a_drafted_run_counts_the_steps_plain_decoding_takes(smollm2_spec):
         REPLAY_GRID.cache_lengths,
     )
     assert replayed == plain_steps
-    assert {b for b, _ in replayed} == {1, 2, 4} and {a for _, a in replayed} == {96, 256}
+    assert {b for b, _ in replayed} == {1, 2, 4} and {a for _, a in replayed} == {128, 256}
 
 
 def test_report_savings_per_run_and_model_pair(local_runs):

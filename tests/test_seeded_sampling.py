@@ -10,6 +10,7 @@ import pytest
 from engine_helpers import DRAFT_NAMES, SMALL_GRID, drafts, engine_for, varied_prompts
 
 from generation import Engine
+from generation.draft_length import FixedDraftLength
 from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
 PROMPTS = [*varied_prompts(7), "the cat sat on the mat the cat sat on the mat the cat"]
@@ -71,18 +72,18 @@ def test_every_draft_and_k_reproduces_plain_sampling(
 ):
     spec = drafts(tiny_llama_dir, tiny_llama_other_dir)[draft]
     engine = engine_for(tiny_llama_dir, draft=spec, num_draft_tokens="auto")
-    accepted = 0
+    accepted, auto = 0, engine.draft_length
     for order_seed, (name, k) in enumerate(
         [("plain", 2), ("top-k-top-p", 4), ("plain", None), ("top-k-top-p", None)]
     ):  # fixed K, then the chooser's own K
-        engine.chooser.fixed = k
+        engine.draft_length = auto if k is None else FixedDraftLength(k)
         engine.reset_stats()
         assert shuffled(engine, SAMPLING[name], order_seed) == reference[name], (name, k)
         assert engine.stats.rounds > 0 or k is None
         accepted += engine.stats.accepted
     if draft in ("same-model", "quantized-int8", "quantized-bf16"):  # close to the target:
         assert accepted > 0  # drafted tokens were kept, not only the target's own
-    engine.chooser.fixed = None
+    engine.draft_length = auto
     assert alone(engine, SAMPLING["plain"]) == reference["plain"]  # K auto, no neighbours
 
 
@@ -112,8 +113,9 @@ def test_smollm2_int8_draft_reproduces_plain_sampling(smollm2_spec):
     plain = Engine.from_config(config).generate(prompts, params, seeds=seeds)
     draft = config.model_copy(update={"draft": DraftSpec(kind="quantized", dtype="int8")})
     speculative = Engine.from_config(draft)
+    auto = speculative.draft_length
     for k in (4, None):
-        speculative.chooser.fixed = k
+        speculative.draft_length = auto if k is None else FixedDraftLength(k)
         completions = speculative.generate(prompts[::-1], params, seeds=seeds[::-1])[::-1]
         assert [c.token_ids for c in completions] == [c.token_ids for c in plain]
     assert speculative.stats.accepted > 0

@@ -10,9 +10,10 @@ from engine_helpers import engine_for
 from pipeline_fixtures import run_config
 
 from generation import Engine
+from reporting.estimate import cache_warning, estimate_run
 from schemas import EngineConfig, SamplingParams, parse_run_config
-from tasks.estimate import cache_warning, estimate_run
 from tasks.planning import plan_shards
+from tasks.prompting import count_prompts
 from tasks.records import read_shard
 
 FS = fsspec.filesystem("file")
@@ -57,10 +58,10 @@ def test_a_completion_cut_mid_character_drops_it_and_keeps_every_token(smollm2):
     """SmolLM2 answers emoji with byte-level tokens: cut after each token, some cuts fall
     inside a character. None of them may end in U+FFFD; their token ids stay whole."""
     prompt = [{"role": "user", "content": "Repeat exactly: 😀🎉🎈🥳✨"}]
-    full = smollm2.generate([prompt], SamplingParams(max_new_tokens=24))[0]
+    full = smollm2.generate([prompt], SamplingParams(max_new_tokens=8))[0]
     tokenizer = smollm2.tokenizer
     cut_inside = 0
-    for n in range(1, len(full.token_ids) + 1):
+    for n in range(1, len(full.token_ids) + 1):  # 3 tokens an emoji: cuts in and between
         done = smollm2.generate([prompt], SamplingParams(max_new_tokens=n))[0]
         assert done.token_ids == full.token_ids[:n]
         assert not done.text.endswith("\ufffd"), (n, done.text)
@@ -88,7 +89,9 @@ def test_a_row_the_cache_stops_says_cache_full_and_plan_warns(tmp_path, tiny_lla
                      "bucket_grid": plan_grid})
     raw["generation"]["sampling"]["max_new_tokens"] = 60
     config = parse_run_config(raw)
-    estimate = estimate_run(config, plan_shards(FS, config, str(path)), engine.tokenizer)
+    shards = plan_shards(FS, config, str(path))
+    estimate = estimate_run(config, len(shards), count_prompts(config, shards, engine.tokenizer),
+                            None)
     assert estimate.cache_full == 1
     warning = cache_warning(estimate, config)
     assert warning.startswith("warning: 1 row(s) have prompt + max_new_tokens (60) beyond")

@@ -16,14 +16,14 @@ from typing import Any
 import duckdb
 import fsspec
 import pyarrow as pa
+from fsspec import AbstractFileSystem
 
 import schemas
 from schemas.arrow import METRICS_SCHEMA
-from schemas.pricing import load_prices
+from schemas.pricing import OVERRIDE_SOURCE, load_prices
 
 VIEWS_PATH = Path(schemas.__file__).with_name("metrics_views.sql")
 COSTLIEST_SHARDS = 10
-OVERRIDE_SOURCE = "report override (--price)"
 RECORDED_SOURCE = "recorded in the metrics at run time"
 
 
@@ -52,11 +52,6 @@ def _section(sql: str, name: str) -> str:
     return match.group(1)
 
 
-def output_filesystem(output_uri: str, storage_options: dict[str, Any] | None):
-    protocol = output_uri.split("://", 1)[0] if "://" in output_uri else "file"
-    return fsspec.filesystem(protocol, **(storage_options or {}))
-
-
 def _connect() -> duckdb.DuckDBPyConnection:
     con = duckdb.connect()
     con.execute("SET TimeZone = 'UTC'")
@@ -78,15 +73,16 @@ def _validated_overrides(price_overrides: dict[str, float] | None) -> dict[str, 
 
 def open_committed_metrics(
     output_uri: str,
-    storage_options: dict[str, Any] | None = None,
+    fs: AbstractFileSystem | None = None,
     run_ids: list[str] | None = None,
     since: dt.date | None = None,
     price_overrides: dict[str, float] | None = None,
 ) -> duckdb.DuckDBPyConnection:
-    """A DuckDB connection with the report views over the committed shards of `output_uri`."""
+    """A DuckDB connection with the report views over the committed shards of `output_uri`,
+    read through `fs` (tasks.storage.filesystem opens one for s3://; local by default)."""
     overrides = _validated_overrides(price_overrides)
     root = normalize_uri(output_uri)
-    fs = output_filesystem(root, storage_options)
+    fs = fs or fsspec.filesystem("file")
     if not fs.glob(f"{root}/manifests/*.json"):
         raise NoMetricsError(
             f"no committed shards under {root}/manifests/ (a shard is committed when "

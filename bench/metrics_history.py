@@ -1,4 +1,5 @@
-"""Hand-made metrics datasets in the pipeline's committed layout, for report tests.
+"""Hand-made metrics datasets in the pipeline's committed layout, for the report tests and
+bench/dashboard.py.
 
 Layout (as tasks/layout.py writes it): <root>/metrics/run_date=D/run_id=R/<shard_id>.parquet holds
 rows in METRICS_SCHEMA, committed by <root>/manifests/<run_id>.<shard_id>.json listing the files
@@ -17,7 +18,6 @@ import fsspec
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from schemas import BucketGrid
 from schemas.arrow import METRICS_SCHEMA
 
 UTC = dt.UTC
@@ -224,22 +224,3 @@ def daily_history(
                     plain_seconds_estimate=wall * rng.uniform(1.6, 1.8),
                 ))  # fmt: skip
     return rows
-
-
-COPY_PARAGRAPHS = [
-    "The city council met on Tuesday evening to discuss the new public library. Residents asked "
-    "for longer opening hours, more study rooms and a larger children's section.",
-    "Photosynthesis is the process by which green plants use sunlight to make food from carbon "
-    "dioxide and water. It takes place mainly in the leaves, inside chloroplasts.",
-    "Our team shipped the new release on Friday. It fixes the login timeout, speeds up the search "
-    "page by a third and adds an export button to every report.",
-    "The river rises every spring when the snow melts in the mountains. Farmers along its banks "
-    "plant late, after the water has gone down.",
-]
-COPY_PROMPTS = [
-    [{"role": "user", "content": f"Rewrite the following paragraph, keeping its wording:\n\n{p}"}]
-    for p in COPY_PARAGRAPHS
-]
-PAYOFF_GRID = BucketGrid(
-    batch_sizes=[1, 2, 4], prompt_lengths=[128], cache_lengths=[256], draft_lengths=[4]
-)

@@ -3,13 +3,12 @@ one line (not a traceback) for each error a user can fix, as the run's last line
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import logging
 import os
 import signal
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -43,30 +42,38 @@ def in_thread(function: Callable[..., Any], *args: Any) -> Any:
     return outcome["value"]
 
 
-@contextlib.contextmanager
-def stop_on_signals(server: Any) -> Iterator[None]:
+class StopOnSignals:
     """First SIGINT / SIGTERM: no new shard starts, in-flight shards abandon their attempt at
-    their next step, and the run ends Cancelled. A second one quits at once (after stopping
-    the local Prefect server, which runs in its own session)."""
-    from tasks import stopping
+    their next step, and the run ends Cancelled. A second one quits at once, stopping the local
+    Prefect server first (it runs in its own session). Installed around the server's whole
+    life, its shutdown included, so a second signal never meets Python's default handler."""
 
-    def handle(signum: int, _frame: Any) -> None:
+    def __init__(self) -> None:
+        self.server: Any = None  # the local Prefect server, once started
+        self._previous: dict = {}
+
+    def _handle(self, signum: int, _frame: Any) -> None:
+        from tasks import stopping
+
         name = signal.Signals(signum).name
         if stopping.stop_requested():
-            console.print(f"{name} again: quitting now; shards in flight commit nothing, and a "
-                          "rerun of the same config resumes", style="red", markup=False)
-            if server is not None:
-                server.stop()
+            console.print(f"{name}, a second stop signal: quitting now; shards in flight commit "
+                          "nothing, and a rerun of the same config resumes", style="red",
+                          markup=False)
+            if self.server is not None:
+                self.server.stop()
             os._exit(128 + (stopping.stop_signal() or signum))
         stopping.request_stop(signum)
         console.print(f"{name}: stopping; no new shard starts and shards in flight stop at their "
                       "next step (send it again to quit at once)", style="yellow", markup=False)
 
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
+    def __enter__(self) -> StopOnSignals:
+        self._previous = {sig: signal.signal(sig, self._handle)
+                          for sig in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
             signal.signal(sig, handler)
 
 
@@ -100,7 +107,7 @@ def run_with_progress(config: RunConfig, run: Callable[[], dict[str, Any]]) -> d
 
 
 def print_summary(summary: dict[str, Any]) -> None:
-    from tasks.run_summary import summary_figures
+    from reporting.summary import summary_figures
 
     table = Table(title=f"run {summary['run_id']}", show_header=False)
     for name, value in summary_figures(summary):

@@ -17,7 +17,7 @@ import plotly.graph_objects as go
 import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
-from tasks.report_tables import (
+from reporting.tables import (
     MODEL_PAIR_COLUMNS,
     PRICE_COLUMNS,
     REGRESSION_COLUMNS,

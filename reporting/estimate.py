@@ -12,12 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from schemas.pricing import device_cost
 from schemas.run import RunConfig
-from tasks.planning import Shard
-from tasks.prompting import prompt_format, render_records
-from tasks.records import read_shard
-from tasks.reporting import NoMetricsError, open_committed_metrics
-from tasks.storage import filesystem, storage_options
 
 HISTORY_SQL = """
 SELECT count(DISTINCT run_id) AS runs, count(*) AS shards,
@@ -46,14 +42,10 @@ class Estimate:
     expected_cost: float | None  # at this config's price
 
 
-def _history(config: RunConfig) -> dict[str, Any] | None:
+def history(con, config: RunConfig) -> dict[str, Any] | None:
+    """Earlier runs under the output with the same model pair and device type, from their
+    committed metrics (`con`: reporting.metrics.open_committed_metrics); None without any."""
     engine = config.generation.engine
-    try:
-        con = open_committed_metrics(
-            config.output, storage_options(config.output, config.storage)
-        )
-    except NoMetricsError:
-        return None
     cursor = con.execute(HISTORY_SQL, {
         "target": engine.target.name, "draft": engine.draft_model_name(),
         "kind": engine.draft.kind if engine.draft else "none",
@@ -63,37 +55,37 @@ def _history(config: RunConfig) -> dict[str, Any] | None:
     return row if row["shards"] and row["tokens_per_second"] else None
 
 
-def estimate_run(config: RunConfig, shards: list[Shard], tokenizer: Any) -> Estimate:
-    input_fs, _ = filesystem(config.input.uri, config.storage)
+@dataclass(frozen=True)
+class PromptCounts:
+    """What reading and templating the shards' prompts found (tasks.prompting.count_prompts)."""
+
+    rows: int  # records read
+    bad_rows: int  # unreadable, or without a usable prompt
+    lengths: list[int]  # token counts of the usable prompts, after templating
+    chat_template: str  # chat | raw
+
+
+def estimate_run(
+    config: RunConfig, shard_count: int, prompts: PromptCounts, past: dict[str, Any] | None
+) -> Estimate:
+    """Rows, tokens and (from `past` runs) expected time and cost of generating `prompts`."""
     grid = config.generation.engine.bucket_grid
     max_prompt, max_new_tokens = grid.max_prompt, config.generation.sampling.max_new_tokens
-    rows = bad_rows = too_long = prompt_tokens = fits = cache_full = 0
-    for shard in shards:
-        good, bad = read_shard(input_fs, shard, config.input, config.seed)
-        rendered, unrenderable = render_records(tokenizer, good, config.input)
-        lengths = [len(record.prompt) for record in rendered]
-        rows += len(good) + len(bad)
-        bad_rows += len(bad) + len(unrenderable)
-        too_long += sum(1 for n in lengths if n > max_prompt)
-        prompt_tokens += sum(n for n in lengths if n <= max_prompt)
-        fits += sum(1 for n in lengths if n <= max_prompt)
-        cache_full += sum(1 for n in lengths
-                          if n <= max_prompt and n + max_new_tokens > grid.max_context)
+    fitting = [n for n in prompts.lengths if n <= max_prompt]
+    cache_full = sum(1 for n in fitting if n + max_new_tokens > grid.max_context)
     generation = config.generation
-    samples = fits * generation.samples_per_prompt
-    max_tokens = samples * generation.sampling.max_new_tokens
-    history = _history(config)
+    samples = len(fitting) * generation.samples_per_prompt
+    max_tokens = samples * max_new_tokens
     expected_tokens = seconds = cost = None
-    if history:
-        expected_tokens = round(min(history["tokens_per_row"], generation.sampling.max_new_tokens)
-                                * samples)
+    if past:
+        expected_tokens = round(min(past["tokens_per_row"], max_new_tokens) * samples)
         engines = 1 if config.dispatch.mode == "local" else min(
-            config.accelerator_slots, -(-len(shards) // config.dispatch.shards_per_run))
-        load = (history["load_seconds"] or 0.0) * engines
-        seconds = (expected_tokens / history["tokens_per_second"] + load) * config.devices_per_slot
-        cost = seconds / 3600 * config.pricing.usd_per_hour()
-    return Estimate(rows, bad_rows, too_long, cache_full, prompt_tokens,
-                    prompt_format(tokenizer, config.input), samples, max_tokens, history,
+            config.accelerator_slots, -(-shard_count // config.dispatch.shards_per_run))
+        load = (past["load_seconds"] or 0.0) * engines
+        seconds = (expected_tokens / past["tokens_per_second"] + load) * config.devices_per_slot
+        cost = device_cost(seconds, 1, config.pricing.usd_per_hour())
+    return Estimate(prompts.rows, prompts.bad_rows, len(prompts.lengths) - len(fitting),
+                    cache_full, sum(fitting), prompts.chat_template, samples, max_tokens, past,
                     expected_tokens, seconds, cost)
 
 

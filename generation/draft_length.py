@@ -1,0 +1,417 @@
+"""How many tokens a speculation round drafts: the one place K is decided (after vLLM's
+draft-length policy). The engine asks its policy, before each step, for K (0: a plain step),
+whether admitted rows get the draft's prefill, and, for a round, where its drafting may stop;
+it tells the policy what each step cost and what the verifier kept.
+
+- `PlainDecoding`: no draft, K is always 0.
+- `FixedDraftLength`: the configured K, every step.
+- `AutoDraftLength`: `DraftLengthChooser` picks K (or plain) from measured step costs and the
+  acceptance it sees; `DraftStopper` may end a round's drafting at a smaller grid K; both are
+  priced here from the runners' measured forward times.
+
+transformers stops its assistant at a fixed confidence threshold (0.4), token by token, at
+batch 1 with dynamic shapes. Here the stop is priced for the whole batch and lands only on
+grid K values, so verify shapes stay static. Greedy and coupled completions do not depend on
+K, so neither K nor an early stop ever changes them.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from schemas import EngineConfig
+from schemas.engine import CATCH_UP_WIDTHS
+
+if TYPE_CHECKING:
+    from generation.proposers import Proposer
+    from generation.runner import ModelRunner
+
+
+@dataclass(frozen=True)
+class StepRows:
+    """What a policy sees of a step's rows (None / 0 for an idle row)."""
+
+    contexts: list[list[int] | None]  # each row's tokens so far, prompt included
+    seen: list[int]  # how many of them the draft's cache holds
+    left: list[int]  # tokens each row may still generate
+
+    @property
+    def horizon(self) -> float:
+        """Tokens a live row has left, on average: what a one-off cost is paid back over."""
+        live = [left for ctx, left in zip(self.contexts, self.left, strict=True) if ctx]
+        return sum(live) / len(live)
+
+
+class DraftLengthPolicy(Protocol):
+    def verify_widths(self) -> list[int]:
+        """Verify widths (K + 1) a warm-up must run."""
+
+    def catch_up_widths(self) -> list[int]:
+        """First-step widths a draft model may need: how far its cache may lag the context."""
+
+    def new_prompts(self) -> None:
+        """A new generate() call: its prompts are other text."""
+
+    def wants_draft(self, width: int, prompt_lengths: list[int], horizon: float) -> bool:
+        """Whether rows being admitted at batch bucket `width` should get the draft's prefill
+        now; they have `horizon` tokens left to generate."""
+
+    def choose(self, rows: StepRows) -> tuple[int, float]:
+        """K for this step (0: plain) and the draft catch-up seconds a K round pays first."""
+
+    def round_stopper(self, rows: StepRows) -> DraftStopper | None:
+        """For a round about to draft: a stopper that may end it early (it then drafts up to
+        the largest grid K), or None to draft exactly the chosen K."""
+
+    def observe_round(self, k: int, accepted: list[int | None]) -> None:
+        """The verifier kept accepted[i] of row i's K drafted tokens (None: an idle row)."""
+
+    def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
+        """A step at batch bucket `width` took `seconds`, `forward_seconds` of it in forwards."""
+
+
+class PlainDecoding:
+    """No draft: every step is a plain step."""
+
+    def verify_widths(self) -> list[int]:
+        return []
+
+    def catch_up_widths(self) -> list[int]:
+        return []
+
+    def new_prompts(self) -> None:
+        pass
+
+    def wants_draft(self, width: int, prompt_lengths: list[int], horizon: float) -> bool:
+        return False
+
+    def choose(self, rows: StepRows) -> tuple[int, float]:
+        return 0, 0.0
+
+    def round_stopper(self, rows: StepRows) -> DraftStopper | None:
+        return None
+
+    def observe_round(self, k: int, accepted: list[int | None]) -> None:
+        pass
+
+    def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
+        pass
+
+
+class FixedDraftLength(PlainDecoding):
+    """The configured K every step, whatever it costs (for experiments and benchmarks)."""
+
+    def __init__(self, k: int):
+        self.k = k
+
+    def verify_widths(self) -> list[int]:
+        return [self.k + 1]
+
+    def catch_up_widths(self) -> list[int]:
+        return [CATCH_UP_WIDTHS[0]]  # every step drafts: the draft lags by one token only
+
+    def wants_draft(self, width: int, prompt_lengths: list[int], horizon: float) -> bool:
+        return True
+
+    def choose(self, rows: StepRows) -> tuple[int, float]:
+        return self.k, 0.0  # a fixed K ignores the price of switching
+
+
+def policy_for(config: EngineConfig, target: ModelRunner, proposer: Proposer) -> DraftLengthPolicy:
+    """Plain without a draft, the configured K, or K chosen per step."""
+    if config.draft is None:
+        return PlainDecoding()
+    if config.num_draft_tokens != "auto":
+        return FixedDraftLength(config.num_draft_tokens)
+    return AutoDraftLength(
+        config.bucket_grid.draft_lengths, target, proposer, config.stop_drafting_early
+    )
+
+
+class AutoDraftLength:
+    """K chosen per step by `DraftLengthChooser` from the step costs measured in this run, and
+    (with `stop_early`) each round's drafting ended by `DraftStopper`."""
+
+    def __init__(
+        self, grid_ks: list[int], target: ModelRunner, proposer: Proposer, stop_early: bool
+    ):
+        self.grid_ks, self.target, self.proposer = grid_ks, target, proposer
+        self.chooser = DraftLengthChooser(grid_ks)
+        self.stopper = DraftStopper() if stop_early else None
+        self._round_stopper: DraftStopper | None = None
+
+    def verify_widths(self) -> list[int]:
+        return [k + 1 for k in self.grid_ks]
+
+    def catch_up_widths(self) -> list[int]:
+        return CATCH_UP_WIDTHS  # plain steps skip the draft, which then lags
+
+    def new_prompts(self) -> None:
+        self.chooser.new_prompts()
+
+    def _forward_prices(self, width: int):
+        """Measured forward times at batch bucket `width`: target [b, t] and the draft's K."""
+        return (
+            lambda t: self.target.recent_seconds_for(width, t),
+            lambda k: self.proposer.seconds_for(width, k),
+        )
+
+    def wants_draft(self, width: int, prompt_lengths: list[int], horizon: float) -> bool:
+        prefill = self.proposer.prefill_seconds(prompt_lengths)
+        return self.chooser.wants_draft(width, *self._forward_prices(width), prefill, horizon)
+
+    def choose(self, rows: StepRows) -> tuple[int, float]:
+        switch = self.proposer.catch_up_seconds(rows.contexts, rows.seen)
+        width = len(rows.contexts)
+        k = self.chooser.choose(width, *self._forward_prices(width), switch, rows.horizon)
+        return k, switch
+
+    def round_prices(self, rows: StepRows) -> RoundPrices:
+        """From each grid K to the next: the draft steps and wider verify it costs; what a
+        token is worth now (the chosen step's cost per token); each row's tokens left."""
+        target, draft = self._forward_prices(len(rows.contexts))
+        onward = {
+            i: (j - i, draft(j) - draft(i) + target(j + 1) - target(i + 1))
+            for i, j in itertools.pairwise(self.grid_ks)
+        }
+        live = sum(1 for ctx in rows.contexts if ctx)
+        return RoundPrices(onward, self.chooser.row_token_seconds / live, rows.left)
+
+    def round_stopper(self, rows: StepRows) -> DraftStopper | None:
+        if self.stopper is not None:
+            self.stopper.start_round(self.round_prices(rows))
+        self._round_stopper = self.stopper
+        return self.stopper
+
+    def observe_round(self, k: int, accepted: list[int | None]) -> None:
+        self.chooser.observe(k, [count for count in accepted if count is not None])
+        if self._round_stopper is not None:
+            self._round_stopper.observe([count or 0 for count in accepted])
+
+    def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
+        self.chooser.observe_step(width, k, seconds, forward_seconds)
+
+
+class DraftLengthChooser:
+    """Picks K (0 = plain decoding) maximising expected tokens per second for the batch.
+
+    Expected tokens per row per round with acceptance alpha: (1 - alpha^(K+1)) / (1 - alpha).
+    A step's cost is its whole measured wall time at this batch bucket (draft, verify,
+    sampling, host bookkeeping), a moving average per (b, K). A K not yet measured is priced
+    from its model forwards times the overhead ratio measured for other K, so host work is
+    never assumed free. Leaving plain decoding costs the draft's catch-up, and admitting rows
+    with a draft costs its prefill (`switch_seconds`): a one-off paid back only over the
+    tokens the rows have left (`horizon`), so short completions at a batch where a round
+    barely beats a plain step stay plain. alpha is a geometric MLE over recent rounds whose
+    evidence ages every step, so a change of text shows quickly. A new call's prompts are
+    other text: what earlier calls measured carries over as a prior worth `carried_trials`
+    draft tokens (`new_prompts`), not as hundreds of trials that a batch of 8 piles up and a
+    batch-1 text at low acceptance would need ten rounds to outweigh.
+    Now and then the losing side is tried once (a K round while plain wins, keeping alpha
+    fresh; a plain step while speculation wins, keeping its timing fresh); each try that
+    confirms the choice doubles the interval, up to `max_explore_every`. A try of speculation
+    waits until its catch-up is at most `explore_budget` of the plain time spent since the
+    last one: exploring may never make plain-winning runs noticeably slower, yet a draft that
+    would pay is found within a bounded amount of plain decoding.
+    With a DraftStopper (model drafts, K auto) a chosen K > 0 only says "speculate": the round
+    drafts up to the largest grid K and the stopper picks where it ends; the rounds it ran
+    are what alpha and the step costs learn from.
+    """
+
+    def __init__(
+        self,
+        grid_ks: list[int],
+        explore_every: int = 12,
+        max_explore_every: int = 48,
+        decay: float = 0.9,
+        prior_alpha: float = 0.7,
+        explore_budget: float = 0.05,
+        carried_trials: float = 4.0,
+    ):
+        self.grid_ks, self.decay = grid_ks, decay
+        self.base_interval, self.max_interval = explore_every, max_explore_every
+        self.interval, self.since_explore = explore_every, 0
+        self.plain_since_try = 0.0  # plain seconds since speculation last ran: the try budget
+        self.prior_alpha, self.explore_budget = prior_alpha, explore_budget
+        self.carried_trials = carried_trials
+        self.accepted, self.trials = 0.0, 0.0
+        self.last_best: int | None = None
+        self.row_token_seconds = 0.0  # a batch step's cost per token of one row, at the best K
+        self.step_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> whole step, averaged
+        self.forward_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> its forwards then
+
+    @property
+    def alpha(self) -> float:
+        """Ageing scales both counts alike, so it reweighs old evidence without moving alpha.
+        With no evidence yet, a prior typical of a same-family draft invites a first try."""
+        if self.trials < 1e-3:
+            return self.prior_alpha
+        return min(self.accepted / self.trials, 0.999)
+
+    def new_prompts(self) -> None:
+        """Keep alpha, but only as a prior: the next prompts' own rounds soon outweigh it."""
+        if self.trials > self.carried_trials:
+            scale = self.carried_trials / self.trials
+            self.accepted, self.trials = self.accepted * scale, self.trials * scale
+
+    def observe(self, k: int, accepted: list[int]) -> None:
+        for count in accepted:
+            self.accepted += count
+            self.trials += count + (count < k)
+
+    def observe_step(self, b: int, k: int, seconds: float, forward_seconds: float) -> None:
+        """A whole step's wall time and its model forwards' share, for pricing steps."""
+        key = (b, k)
+        if key not in self.step_seconds:
+            self.step_seconds[key], self.forward_seconds[key] = seconds, forward_seconds
+            return
+        self.step_seconds[key] += 0.25 * (seconds - self.step_seconds[key])
+        self.forward_seconds[key] += 0.25 * (forward_seconds - self.forward_seconds[key])
+
+    def step_cost(self, b: int, k: int, forwards_seconds: float) -> float:
+        """Measured whole-step time, or the forwards' time x the measured overhead ratio."""
+        if (b, k) in self.step_seconds:
+            return self.step_seconds[(b, k)]
+        ratios = [
+            self.step_seconds[key] / self.forward_seconds[key]
+            for key in self.step_seconds
+            if key[0] == b and self.forward_seconds[key] > 0
+        ]
+        return forwards_seconds * (max(ratios) if ratios else 1.0)
+
+    def wants_draft(
+        self, b: int, target_seconds, draft_seconds, prefill_seconds: float, horizon: float
+    ) -> bool:
+        """Whether rows being admitted should get draft state (its prefill) now."""
+        return self._best(b, target_seconds, draft_seconds, prefill_seconds, horizon)[0] > 0
+
+    def _best(self, b: int, target_seconds, draft_seconds, switch_seconds: float, horizon: float):
+        alpha, horizon = self.alpha, max(horizon, 1.0)
+        plain = self.step_cost(b, 0, target_seconds(1))
+        best_k, best_rate = 0, 1.0 / plain
+        for k in self.grid_ks:
+            tokens = min((1 - alpha ** (k + 1)) / (1 - alpha), horizon)
+            cost = self.step_cost(b, k, draft_seconds(k) + target_seconds(k + 1))
+            rate = tokens / (cost + switch_seconds * tokens / horizon)
+            if rate > best_rate:
+                best_k, best_rate = k, rate
+        return best_k, plain, best_rate
+
+    def choose(
+        self, b: int, target_seconds, draft_seconds, switch_seconds: float, horizon: float
+    ) -> int:
+        """target_seconds(t), draft_seconds(k): measured forward times at batch bucket b;
+        switch_seconds: the extra a K round costs now because the draft lags the context;
+        horizon: tokens the batch's rows have left, over which that extra is paid back."""
+        self.accepted *= self.decay
+        self.trials *= self.decay
+        best_k, plain, rate = self._best(b, target_seconds, draft_seconds, switch_seconds, horizon)
+        self.row_token_seconds = 1.0 / rate
+        if (best_k == 0) != (self.last_best == 0):  # the choice flipped: explore eagerly again
+            self.interval = self.base_interval
+        self.last_best = best_k
+        self.since_explore += 1
+        chosen = best_k
+        if self.since_explore >= self.interval:
+            self.since_explore = 0
+            self.interval = min(2 * self.interval, self.max_interval)
+            affordable = switch_seconds <= self.explore_budget * self.plain_since_try
+            chosen = 0 if best_k else (self.grid_ks[0] if affordable else 0)
+        self.plain_since_try = 0.0 if chosen else self.plain_since_try + plain
+        return chosen
+
+
+@dataclass(frozen=True)
+class RoundPrices:
+    """What drafting on from a checkpoint costs and earns in one round.
+
+    `onward[i] = (steps, seconds)`: from grid K i, the next grid K lies `steps` draft tokens on
+    and reaching it costs `seconds` more (its draft steps plus the wider verify). A token is
+    worth `seconds_per_token`, the batch's current cost of one. `tokens_left[r]`: what row r
+    may still generate (0: an idle row); a round gives it at most that many.
+    """
+
+    onward: dict[int, tuple[int, float]]
+    seconds_per_token: float
+    tokens_left: list[int]
+
+
+class BinnedOdds:
+    """P(a draft token is kept), per bin of a draft probability, learned from verified rounds.
+    Prior: the bin's probability itself, worth `prior_trials`; old rounds fade by `decay`."""
+
+    def __init__(self, bins: int, prior_trials: float, decay: float):
+        self.bins, self.decay = bins, decay
+        centres = (torch.arange(bins, dtype=torch.float64) + 0.5) / bins
+        self.kept = centres * prior_trials
+        self.trials = torch.full((bins,), prior_trials, dtype=torch.float64)
+
+    def bin(self, probability: torch.Tensor) -> torch.Tensor:
+        return (probability.float() * self.bins).long().clamp_(0, self.bins - 1)
+
+    def __call__(self, probability: torch.Tensor) -> torch.Tensor:
+        table = (self.kept / self.trials).to(probability.device, torch.float32)
+        return table[self.bin(probability)]
+
+    def observe(self, probability: torch.Tensor, kept: torch.Tensor) -> None:
+        bins = self.bin(probability)
+        self.kept.mul_(self.decay).index_add_(0, bins, kept.double())
+        self.trials.mul_(self.decay).index_add_(0, bins, torch.ones(len(bins), dtype=torch.float64))
+
+
+class DraftStopper:
+    """Decides, after each drafted grid K, whether the batch drafts on to the next one.
+
+    Expected extra kept tokens = sum over live rows of P(all the row's tokens so far are kept)
+    x (f + f^2 + ... + f^steps). Two tables learned from verified rounds, keyed by the
+    probability the draft gave a token: `kept`, the odds that token is kept; `onward`, the odds
+    the token after it is kept when it was (a sure draft tends to stay sure). So an over- or
+    under-confident draft is corrected by what the target actually kept.
+    """
+
+    def __init__(self, bins: int = 10, prior_trials: float = 2.0, decay: float = 0.995):
+        self.kept = BinnedOdds(bins, prior_trials, decay)
+        self.onward = BinnedOdds(bins, prior_trials, decay)
+        self._left: torch.Tensor | None = None
+        self._prices: RoundPrices | None = None
+        self._survival: torch.Tensor | None = None
+        self._confidences: list[torch.Tensor] = []
+
+    def start_round(self, prices: RoundPrices) -> None:
+        self._left, self._prices = torch.tensor(prices.tokens_left), prices
+        self._survival, self._confidences = None, []
+
+    def keep_going(self, drafted: int, confidence: torch.Tensor) -> bool:
+        """After the round's `drafted`-th token, with the draft's probability of each row's."""
+        self._confidences.append(confidence)
+        odds = self.kept(confidence)
+        self._survival = odds if self._survival is None else self._survival * odds
+        if drafted not in self._prices.onward:
+            return True
+        steps, seconds = self._prices.onward[drafted]
+        follow = self.onward(confidence).cpu()
+        # Token `drafted + m` is worth something only to a row with more than that many left
+        # (each round ends with the target's own token).
+        m = torch.arange(1, steps + 1)
+        useful = drafted + m[None, :] < self._left[:, None]
+        future = (follow[:, None] ** m * useful).sum(-1)
+        gain = float((self._survival.cpu() * future).sum())
+        return gain * self._prices.seconds_per_token > seconds
+
+    def observe(self, accepted: list[int]) -> None:
+        """The verifier kept `accepted[i]` of row i's drafted tokens: token m was tested when
+        all before it were kept, and kept when m <= accepted."""
+        confidence = torch.stack(self._confidences, 1).cpu()  # [b, K]
+        position = torch.arange(1, confidence.shape[1] + 1)
+        kept_count = torch.tensor(accepted)[:, None]
+        live = self._left[:, None] > 0
+        tested = (position <= kept_count + 1) & live
+        kept = (position <= kept_count).expand_as(tested)
+        self.kept.observe(confidence[tested], kept[tested])
+        # The token after m was tested when m was kept (and m was not the last drafted).
+        after = kept[:, :-1] & live
+        self.onward.observe(confidence[:, :-1][after], kept[:, 1:][after])
