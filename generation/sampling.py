@@ -45,7 +45,9 @@ def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     """Standard Gumbel noise [..., n] for `token_ids` ([..., n] or [n]) under keys [..., 2].
 
     The second key enters mid-hash, so two positions whose first keys differ by a small xor do
-    not share noise values. 24-bit uniforms in (0, 1): the noise lies in [-2.9, 17.4].
+    not share noise values. 24-bit uniforms in (0, 1): the top one, 1 - 2**-25, rounds to 1.0
+    in float32 (infinite noise, a token outside top-p or a response format), so it is clamped
+    to 1 - 2**-24. The noise lies in [-2.9, 16.7].
     """
     x = token_ids ^ keys[..., :1]
     x ^= x >> 16
@@ -54,7 +56,7 @@ def gumbel(keys: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
     x ^= x >> 15
     x.mul_(_M2).bitwise_and_(_WORD)
     x ^= x >> 16
-    uniform = (x >> 8).float().add_(0.5).mul_(2.0**-24)
+    uniform = (x >> 8).float().add_(0.5).mul_(2.0**-24).clamp_max_(1.0 - 2.0**-24)
     return uniform.log_().neg_().log_().neg_()
 
 
@@ -182,6 +184,24 @@ def draft_choice(
         return coupled_choice(logits, params, draws, exact=False), None
     probs = probabilities(logits, params, exact=False)
     return sample(probs, draws.uniforms), probs
+
+
+def chosen_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, params: SamplingParams
+) -> torch.Tensor:
+    """log p(token) [...] under the distribution sampled from [..., vocab] logits: logits / T
+    with top-k / top-p applied (greedy: the softmax of the logits as they are). Logits that a
+    response format refused are -inf already."""
+    if params.greedy:
+        logp = torch.log_softmax(logits.float(), -1)
+        return logp.gather(-1, tokens[..., None]).squeeze(-1)
+    values, ids = allowed_logits(logits, params)
+    logp = torch.log_softmax(values, -1)
+    if ids is None:
+        return logp.gather(-1, tokens[..., None]).squeeze(-1)
+    match = ids == tokens[..., None]
+    found = logp.masked_fill(~match, 0.0).sum(-1)
+    return found.masked_fill(~match.any(-1), float("-inf"))
 
 
 def chosen_probability(

@@ -4,13 +4,16 @@ batch, with no draft or any draft kind, at any K, fixed or auto, on any call."""
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+import torch
 from engine_helpers import DRAFT_NAMES, SMALL_GRID, drafts, engine_for, varied_prompts
 
 from generation import Engine
 from generation.draft_length import FixedDraftLength
+from generation.sampling import RowRandom, gumbel, position_keys
 from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
 PROMPTS = [*varied_prompts(7), "the cat sat on the mat the cat sat on the mat the cat"]
@@ -137,3 +140,14 @@ def test_an_int8_target_keeps_its_completions_whatever_the_batch_draft_or_k(
     assert shuffled(speculative, params, order_seed=4) == expected
     assert speculative.stats.rounds > 0
     assert speculative.model_info["target_model"] == f"{tiny_llama_dir}#int8"
+
+
+def test_noise_is_finite_for_every_token_even_at_the_top_hash():
+    """Seed 3 at position 50 hashes token 45288 to the largest 24-bit uniform, which rounds to
+    1.0 in float32: infinite noise there picked a token outside top-p (and, under a response
+    format's mask, a refused one) in steps that sort the whole vocabulary, and not in steps
+    that look at the top logits only, so a record depended on its batch."""
+    keys = position_keys(torch.tensor([RowRandom(3).words]), torch.tensor([[50]]))[0, 0]
+    noise = gumbel(keys, torch.arange(49152))
+    assert bool(torch.isfinite(noise).all())
+    assert float(noise[45288]) == pytest.approx(-math.log(-math.log1p(-(2.0**-24))), rel=1e-6)
