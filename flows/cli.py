@@ -163,13 +163,21 @@ def _print_estimate(config: RunConfig, shards: list) -> None:
         console.print(line, soft_wrap=True, markup=False)
 
 
+DEMO_EXAMPLES = {"chat": "config.yaml", "qa-records": "qa-records.yaml"}
+
+
 @app.command()
 def demo(
     output: Annotated[Path, typer.Option(help="where outputs go")] = Path("out/demo"),
+    example: Annotated[
+        str, typer.Option(help="chat: free-text answers; qa-records: JSON records under a schema")
+    ] = "chat",
     set_: SetOption = None,
 ) -> None:
     """Generate from the shipped demo prompts with the packaged SmolLM2 on this machine."""
-    raw = yaml.safe_load((DEMO_DIR / "config.yaml").read_text())
+    if example not in DEMO_EXAMPLES:
+        raise typer.BadParameter(f"--example must be one of {', '.join(DEMO_EXAMPLES)}")
+    raw = yaml.safe_load((DEMO_DIR / DEMO_EXAMPLES[example]).read_text())
     raw["input"]["uri"] = str(DEMO_DIR / raw["input"]["uri"])
     raw["output"] = str(output.resolve())
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")

@@ -23,13 +23,14 @@ import torch
 
 from generation import kernels, loading
 from generation.draft_length import DraftLengthPolicy, StepRows, policy_for
+from generation.grammar import DraftConstraint, Grammars, RowGrammar, masked, masks_after
 from generation.loading import DTYPES, LoadedModel
 from generation.metrics import EngineStats
 from generation.prompts import encode
 from generation.proposers import NoProposer, Proposer
 from generation.rejection import verify
 from generation.runner import WARM_CALLS, ModelRunner
-from generation.sampling import RowRandom, choose, step_draws
+from generation.sampling import RowRandom, choose, chosen_logprobs, step_draws
 from generation.schedule import (
     batch_capacity,
     plain_decode_steps,
@@ -59,6 +60,8 @@ class _Row:
     proposed: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    grammar: RowGrammar | None = None  # its response format's matcher, if it has one
+    logprobs: list[float] | None = None  # of each kept token, when asked for
 
     @property
     def generated(self) -> list[int]:
@@ -97,6 +100,7 @@ class Engine:
         self.proposer = proposer or NoProposer()
         self.draft_length: DraftLengthPolicy = policy_for(config, self.target, self.proposer)
         self._stop_ids = target.eos_ids  # plus the call's stop_token_ids, set per generate()
+        self._grammars: Grammars | None = None  # built on the first structured call
         self.reset_stats()
 
     @classmethod
@@ -136,6 +140,14 @@ class Engine:
             "cpu_model": kernels.cpu_model(),
             "cpu_isa": kernels.cpu_isa(),
         }
+
+    @property
+    def grammars(self) -> Grammars:
+        """llguidance's view of the tokenizer, for rows with a response format."""
+        if self._grammars is None:
+            vocab = self.target.model.config.vocab_size
+            self._grammars = Grammars(self.tokenizer, vocab, self.target_loaded.eos_ids)
+        return self._grammars
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode(self.tokenizer, prompt)
@@ -228,7 +240,11 @@ class Engine:
                 results[index] = Completion([], "", "error", len(ids), error=error)
                 continue
             seed = params.seed if seeds is None else seeds[index]
-            waiting.append(_Row(index, ids, len(ids), RowRandom(seed)))
+            row = _Row(index, ids, len(ids), RowRandom(seed), logprobs=[] if params.logprobs
+                       else None)
+            if params.response_format is not None:
+                row.grammar = self.grammars.matcher(params.response_format)
+            waiting.append(row)
         self.draft_length.new_prompts()
         admitted, load_mark = list(waiting), self.target.load_mark()
         capacity = batch_capacity(self.grid.batch_sizes, len(waiting))
@@ -305,13 +321,17 @@ class Engine:
             draft_started = time.perf_counter()
             self.proposer.prefill(prompts, rows)
             self._stats.draft_prefill_seconds += time.perf_counter() - draft_started
-        draws = self._draws([row for _, row in admitted], 1, params)
-        first = choose(logits, params, draws.at(0) if draws else None).tolist()
-        for (slot, row), token in zip(admitted, first, strict=True):
+        rows_in = [row for _, row in admitted]
+        allowed = masks_after([row.grammar for row in rows_in], [[]] * len(rows_in))
+        logits = masked(logits, None if allowed is None else allowed[:, 0])
+        draws = self._draws(rows_in, 1, params)
+        first = choose(logits, params, draws.at(0) if draws else None)
+        logprobs = chosen_logprobs(logits, first, params).tolist() if params.logprobs else None
+        for i, ((slot, row), token) in enumerate(zip(admitted, first.tolist(), strict=True)):
             slots[slot] = row
             row.draft_seen = row.prompt_len if with_draft else 0
             self._stats.prompt_tokens += row.prompt_len
-            self._append(row, [token], params)
+            self._append(row, [token], params, logprobs[i : i + 1] if logprobs else None)
         self._stats.prefill_seconds += time.perf_counter() - started
 
     def _step(self, batch: list[_Row | None], k: int, params: SamplingParams) -> int:
@@ -322,30 +342,34 @@ class Engine:
         stopper = self.draft_length.round_stopper(self._step_rows(batch, params)) if k else None
         k = self.grid.draft_lengths[-1] if stopper else k
         draws = self._draws(batch, k + 1, params)  # the K + 1 positions this step may fill
+        grammars = [row.grammar if row else None for row in batch]
         draft_tokens, draft_probs = torch.zeros(len(batch), 0, dtype=torch.long), None
-        if k:  # propose
+        if k:  # propose (under the rows' grammars)
             contexts = [row.tokens if row else None for row in batch]
             seen = [row.draft_seen if row else 0 for row in batch]
+            constraint = DraftConstraint(grammars) if any(grammars) else None
             draft_tokens, draft_probs = self.proposer.propose(
-                contexts, seen, k, params, draws, stopper
+                contexts, seen, k, params, draws, stopper, constraint
             )
             k = draft_tokens.shape[1]
             draws = draws.head(k + 1) if draws else None
         drafted = time.perf_counter()
-        draft_tokens = draft_tokens.to(self.device)  # verify
+        proposals = draft_tokens.tolist()
+        draft_tokens = draft_tokens.to(self.device)  # verify, each position under its mask
         last = torch.tensor([[row.tokens[-1] if row else 0] for row in batch], device=self.device)
         starts = torch.tensor([len(row.tokens) - 1 if row else 0 for row in batch])
         live = sum(1 for row in batch if row)
         logits = self.target.decode(torch.cat([last, draft_tokens], 1), starts, live)
+        logits = masked(logits, masks_after(grammars, proposals))
         accepted, next_token = verify(logits, draft_tokens, draft_probs, params, draws)
         accepted, next_token = accepted.tolist(), next_token.tolist()
-        draft_tokens = draft_tokens.tolist()
+        kept_tokens = [[*proposals[i][: accepted[i]], next_token[i]] for i in range(len(batch))]
+        logprobs = self._kept_logprobs(logits, kept_tokens, params) if params.logprobs else None
         for i, row in enumerate(batch):  # accept
             if row is not None:
-                kept = accepted[i]
                 if k:
-                    self._count_round(row, k, kept)
-                self._append(row, [*draft_tokens[i][:kept], next_token[i]], params)
+                    self._count_round(row, k, accepted[i])
+                self._append(row, kept_tokens[i], params, logprobs[i] if logprobs else None)
         done = time.perf_counter()
         if k:
             live_accepted = [accepted[i] if row else None for i, row in enumerate(batch)]
@@ -356,6 +380,18 @@ class Engine:
         else:
             self._stats.decode_seconds += done - started
         return k
+
+    @staticmethod
+    def _kept_logprobs(
+        logits: torch.Tensor, kept: list[list[int]], params: SamplingParams
+    ) -> list[list[float]]:
+        """Each row's kept tokens' log-probabilities, from the verify's logits [b, K + 1, V]
+        (position j scored the token kept at j)."""
+        width = logits.shape[1]
+        tokens = torch.tensor([row + [0] * (width - len(row)) for row in kept],
+                              device=logits.device)
+        scores = chosen_logprobs(logits, tokens, params).tolist()
+        return [scores[i][: len(row)] for i, row in enumerate(kept)]
 
     @staticmethod
     def _count_round(row: _Row, k: int, kept: int) -> None:
@@ -390,13 +426,26 @@ class Engine:
         rows = [(row.rng, len(row.tokens)) if row else None for row in batch]
         return step_draws(rows, positions, params, self.device)
 
-    def _append(self, row: _Row, new_tokens: list[int], params: SamplingParams) -> None:
-        """Commit tokens to a row, stopping at EOS / stop ids / stop strings / length limits."""
-        for token in new_tokens:
+    def _append(
+        self,
+        row: _Row,
+        new_tokens: list[int],
+        params: SamplingParams,
+        logprobs: list[float] | None = None,
+    ) -> None:
+        """Commit tokens to a row, stopping at EOS / stop ids / stop strings / length limits,
+        or where its response format's value is closed."""
+        for j, token in enumerate(new_tokens):
             row.tokens.append(token)
             self._stats.tokens_generated += 1
+            if logprobs is not None:
+                row.logprobs.append(logprobs[j])
+            if row.grammar is not None:
+                row.grammar.consume([token])
             if token in self._stop_ids or (params.stop and self._hit_stop_string(row, params.stop)):
                 row.finish = "stop"
+            elif row.grammar is not None and row.grammar.stopped:
+                row.finish = "stop"  # nothing but EOS may follow: the value is whole
             elif len(row.generated) >= params.max_new_tokens:
                 row.finish = "length"
             elif len(row.tokens) >= self.grid.max_context:
@@ -435,6 +484,8 @@ class Engine:
             proposed=row.proposed,
             accepted=row.accepted,
             accepted_per_position=row.accepted_per_position,
+            structured_complete=None if row.grammar is None else row.grammar.complete,
+            token_logprobs=row.logprobs,
         )
 
     def _compact(self, slots: list[_Row | None]) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 import torch
 
+from generation.grammar import masked
 from generation.runner import ModelRunner, bucket
 from generation.sampling import Draws, chosen_probability, draft_choice
 from schemas import SamplingParams
@@ -20,6 +21,7 @@ from schemas.engine import CATCH_UP_WIDTHS
 
 if TYPE_CHECKING:
     from generation.draft_length import DraftStopper
+    from generation.grammar import DraftConstraint
 
 
 class Proposer(Protocol):
@@ -49,9 +51,11 @@ class Proposer(Protocol):
         params: SamplingParams,
         draws: Draws | None,
         stopper: DraftStopper | None = None,
+        constraint: DraftConstraint | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [b, K'] and, under rejection verification, their probabilities
-        [b, K', V]: K' = K, or the grid K where `stopper` ended the round."""
+        [b, K', V]: K' = K, or the grid K where `stopper` ended the round. With `constraint`
+        a model draft proposes under the rows' grammars."""
 
 
 class NoProposer:
@@ -73,7 +77,7 @@ class NoProposer:
     def catch_up_seconds(self, contexts, seen) -> float:
         return 0.0
 
-    def propose(self, contexts, seen, k, params, draws, stopper=None):
+    def propose(self, contexts, seen, k, params, draws, stopper=None, constraint=None):
         raise RuntimeError("plain decoding drafts nothing: its policy never chooses K > 0")
 
 
@@ -171,9 +175,11 @@ class ModelProposer:
         params: SamplingParams,
         draws: Draws | None,
         stopper: DraftStopper | None = None,
+        constraint: DraftConstraint | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens [b, K'] and, under rejection verification, their probabilities [b, K', V]:
-        K' = K, or the grid K where `stopper` ended the round.
+        K' = K, or the grid K where `stopper` ended the round. Under `constraint` each step's
+        logits are masked by the rows' grammars after the tokens drafted so far.
 
         `contexts[i]` is None for an idle row (it runs at position 0 of its own free cache row);
         `seen[i]` is how many of row i's context tokens the draft cache holds. Drafted tokens
@@ -193,7 +199,11 @@ class ModelProposer:
         drafted, probs = [], []
         for step in range(k):
             logits = self.runner.decode(tokens, starts, live, logit_index=last)[:, 0]
+            if constraint is not None:
+                logits = masked(logits, constraint.mask())
             token, token_probs = draft_choice(logits, params, draws.at(step) if draws else None)
+            if constraint is not None:
+                constraint.advance(token.tolist())
             drafted.append(token)
             if token_probs is not None:
                 probs.append(token_probs)
@@ -203,6 +213,8 @@ class ModelProposer:
                 break
             starts = (starts + last[:, 0] + 1).masked_fill(idle, 0)
             tokens, last = token[:, None], torch.zeros_like(last)
+        if constraint is not None:
+            constraint.release()
         self.seconds += time.perf_counter() - started
         return torch.stack(drafted, dim=1), (torch.stack(probs, dim=1) if probs else None)
 
@@ -253,9 +265,10 @@ class PromptLookupProposer:
     def catch_up_seconds(self, contexts, seen) -> float:
         return 0.0  # never behind: it reads the context as it is
 
-    def propose(self, contexts, seen, k, params, draws, stopper=None):
+    def propose(self, contexts, seen, k, params, draws, stopper=None, constraint=None):
         """Drafts [b, K'] (K' = K, or the grid K where `stopper` ended the round), and None
-        for their probabilities (one-hot)."""
+        for their probabilities (one-hot). Copies ignore a grammar: the verifier's masks
+        reject a copied token the grammar refuses."""
         started = time.perf_counter()
         found = [self._lookup(ctx, k) if ctx else ([0] * k, 0, 0) for ctx in contexts]
         drafts = torch.tensor([tokens for tokens, _, _ in found], dtype=torch.long)

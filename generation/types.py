@@ -29,3 +29,7 @@ class Completion:
     proposed: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # With a response format: whether the text is a whole value (False: cut by a limit).
+    structured_complete: bool | None = None
+    # With SamplingParams.logprobs: each token's log-probability under the distribution sampled.
+    token_logprobs: list[float] | None = None

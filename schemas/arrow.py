@@ -19,6 +19,13 @@ DATA_SCHEMA = pa.schema(
         pa.field("accepted", pa.int32()),
         pa.field("seed", pa.int64()),
         pa.field("sample_index", pa.int32(), metadata={"doc": "0..samples_per_prompt-1"}),
+        pa.field(
+            "token_logprobs",
+            pa.list_(pa.float32()),
+            metadata={"doc": "with sampling.logprobs: each kept token's log-probability under "
+                             "the distribution sampled (temperature, top-k/p, mask applied)"},
+        ),
+        pa.field("mean_logprob", pa.float64(), metadata={"doc": "mean of token_logprobs"}),
     ]
 )
 
@@ -155,6 +162,16 @@ METRICS_SCHEMA = pa.schema(
             "partial_character_rows",
             pa.int64(),
             metadata={"doc": "ok rows cut mid multi-byte character: that character was dropped"},
+        ),
+        pa.field(
+            "structured_rows",
+            pa.int64(),
+            metadata={"doc": "data rows validated under generation.response_format (else null)"},
+        ),
+        pa.field(
+            "structured_incomplete",
+            pa.int64(),
+            metadata={"doc": "error rows cut before their structured value closed"},
         ),
     ]
 )

@@ -223,6 +223,84 @@ class EngineConfig(StrictModel):
         return self
 
 
+class JsonSchemaFormat(StrictModel):
+    """OpenAI's `json_schema` object: the schema a record must validate against."""
+
+    name: str = Field("record", description="a name for the schema (OpenAI's shape)")
+    schema_: dict = Field(alias="schema", description="the JSON schema every record follows")
+    strict: bool | None = Field(None, description="accepted as OpenAI has it; always strict")
+    description: str | None = None
+
+    model_config = ConfigDict(
+        extra="forbid", frozen=True, populate_by_name=True, serialize_by_alias=True
+    )
+
+
+class ResponseFormat(StrictModel):
+    """Structured output in OpenAI's shape: a JSON schema, any JSON object, a regex or one of
+    fixed choices. Every completion then parses under it; a row cut before it closes is an
+    error row (incomplete_structured_output)."""
+
+    type: Literal["json_schema", "json_object", "regex", "choice"] = Field(
+        description="what the completion must be"
+    )
+    json_schema: JsonSchemaFormat | None = Field(None, description="type json_schema: the schema")
+    pattern: str | None = Field(None, description="type regex: the whole completion matches it")
+    choices: list[str] | None = Field(None, description="type choice: the completion is one")
+
+    @model_validator(mode="after")
+    def _what_its_type_needs(self) -> ResponseFormat:
+        needs = {"json_schema": "json_schema", "regex": "pattern", "choice": "choices"}
+        for kind, name in needs.items():
+            given = getattr(self, name) is not None
+            if given != (self.type == kind):
+                raise ValueError(f"response_format.{name} goes with type {kind!r} only"
+                                 if given else f"response_format type {kind!r} needs {name}")
+        if self.choices is not None and (not self.choices or "" in self.choices):
+            raise ValueError("response_format.choices must be non-empty strings")
+        if self.json_schema is not None:
+            _check_json_schema(self.json_schema.schema_)
+        error = _grammar_error(self.grammar())
+        if error:
+            raise ValueError(f"response_format {self.type} is not usable: {error}")
+        return self
+
+    def grammar(self) -> str:
+        """The llguidance grammar: compact JSON (", " and ": " separators) for JSON types."""
+        import json
+
+        import llguidance
+
+        if self.type == "regex":
+            return llguidance.grammar_from("regex", self.pattern)
+        if self.type == "choice":
+            return llguidance.grammar_from("choice", json.dumps(self.choices))
+        schema = self.json_schema.schema_ if self.json_schema else {"type": "object"}
+        return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_LAYOUT)
+
+
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _check_json_schema(schema: dict) -> None:
+    """A schema the records can be validated against (jsonschema's meta-schema check)."""
+    import jsonschema
+
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as error:
+        where = "/".join(str(part) for part in error.absolute_path) or "(root)"
+        raise ValueError(f"response_format.json_schema.schema at {where}: "
+                         f"{error.message}") from None
+
+
+def _grammar_error(grammar: str) -> str:
+    """llguidance's complaint about a grammar, on one line; empty when it compiles."""
+    import llguidance
+
+    return " ".join(llguidance.LLMatcher.validate_grammar(grammar, None).split())
+
+
 class SamplingParams(StrictModel):
     """How to pick tokens. temperature 0 means greedy."""
 
@@ -233,6 +311,13 @@ class SamplingParams(StrictModel):
     stop: list[str] = Field([], description="strings that end a completion (not kept)")
     stop_token_ids: list[int] = Field([], description="token ids that end a completion")
     seed: int = Field(0, description="engine API only: the pipeline seeds each record itself")
+    response_format: ResponseFormat | None = Field(
+        None, description="structured output (OpenAI's shape); None: free text"
+    )
+    logprobs: bool = Field(
+        False, description="record each kept token's log-probability under the distribution "
+        "sampled (temperature, top-k/top-p and response_format applied; greedy: temperature 1)",
+    )
     verification: Literal["coupled", "rejection"] = Field(
         "coupled",
         description="coupled: per-position seeded noise, a completion is the same with any "

@@ -16,7 +16,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from schemas.engine import EngineConfig, SamplingParams, StrictModel
+from schemas.engine import EngineConfig, ResponseFormat, SamplingParams, StrictModel
 from schemas.pricing import UnknownDeviceError, load_prices, price_for
 
 InputFormat = Literal["auto", "jsonl", "jsonl.gz", "parquet"]
@@ -108,6 +108,23 @@ class GenerationSpec(StrictModel):
     samples_per_prompt: int = Field(
         1, ge=1, description="completions per record, each with its own derived seed"
     )
+    response_format: ResponseFormat | None = Field(
+        None, description="structured records, in OpenAI's shape: {type: json_schema, "
+        "json_schema: {name, schema}} | {type: json_object} | {type: regex, pattern} | "
+        "{type: choice, choices}; null: free text",
+    )
+
+    @model_validator(mode="after")
+    def _response_format_in_one_place(self) -> GenerationSpec:
+        if self.sampling.response_format is not None:
+            raise ValueError("set generation.response_format, not "
+                             "generation.sampling.response_format")
+        return self
+
+    @property
+    def engine_sampling(self) -> SamplingParams:
+        """What the engine is called with: `sampling` under the run's response format."""
+        return self.sampling.model_copy(update={"response_format": self.response_format})
 
 
 class ShardingSpec(StrictModel):

@@ -35,7 +35,7 @@ def flow_run_id() -> str | None:
 
 
 def provenance(generation: GenerationSpec, chat_template: str) -> dict[str, Any]:
-    sampling = {**generation.sampling.model_dump(mode="json"),
+    sampling = {**generation.engine_sampling.model_dump(mode="json"),
                 "samples_per_prompt": generation.samples_per_prompt}
     return {
         "worker_name": worker_name(),

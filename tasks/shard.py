@@ -10,7 +10,7 @@ import datetime as dt
 import os
 import socket
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 from prefect import task
@@ -18,6 +18,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
 from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
+from schemas.engine import ResponseFormat
 from schemas.pricing import device_cost
 from schemas.run import RunConfig
 from tasks import leases
@@ -37,6 +38,10 @@ from tasks.quality import blank_count, error_reason_counts
 from tasks.records import BadRecord, Record, read_shard, truncate, with_samples
 from tasks.stopping import ShardAbandoned, stop_requested
 from tasks.storage import filesystem
+from tasks.structured import INCOMPLETE, structured_problem
+
+if TYPE_CHECKING:
+    from generation.types import Completion
 
 # Metrics columns copied as-is from engine.stats / engine.model_info / engine.draft_kind.
 ENGINE_METRIC_FIELDS = (
@@ -77,6 +82,29 @@ def _generate(engine, records: list[Record], sampling, shard: Shard) -> list:
                              "stopping; nothing of it was committed") from None
 
 
+def _mean(values: list[float] | None) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+def _structured_records(
+    response_format: ResponseFormat | None, ok: list[tuple[Record, Completion]]
+) -> tuple[list[tuple[Record, Completion]], list[BadRecord]]:
+    """The completions that are whole, valid records under the run's response format, and an
+    error row for each one that is not (cut before its value closed, or failing validation)."""
+    if response_format is None:
+        return ok, []
+    kept, bad = [], []
+    for record, completion in ok:
+        problem = structured_problem(response_format, completion)
+        if problem is None:
+            kept.append((record, completion))
+        else:
+            sample = f" (sample {record.sample_index})" if record.sample_index else ""
+            bad.append(BadRecord(record.row, record.record_id, problem + sample,
+                                 truncate(completion.text)))
+    return kept, bad
+
+
 def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
     data = [
         {
@@ -91,6 +119,8 @@ def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
             "accepted": completion.accepted,
             "seed": record.seed,
             "sample_index": record.sample_index,
+            "token_logprobs": completion.token_logprobs,
+            "mean_logprob": _mean(completion.token_logprobs),
         }
         for record, completion in zip(records, completions, strict=True)
     ]
@@ -143,7 +173,7 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         records, unrenderable = render_records(engine.tokenizer, records, config.input)
         records = with_samples(records, generation.samples_per_prompt, config.seed)
         engine.reset_stats()
-        completions = _generate(engine, records, generation.sampling, shard)
+        completions = _generate(engine, records, generation.engine_sampling, shard)
         engine_stats = {**engine.stats.as_dict(), **engine.model_info,
                         **engine.hardware_info, "draft_kind": engine.draft_kind}
         chat_template = prompt_format(engine.tokenizer, config.input)
@@ -154,6 +184,8 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         for r, c in zip(records, completions, strict=True)
         if c.finish_reason == "error" and r.sample_index == 0
     ]
+    ok, unstructured = _structured_records(generation.response_format, ok)
+    bad += unstructured
     data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad)
     metrics = {
         **_metrics_row(
@@ -165,6 +197,8 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         "empty_completions": blank_count([c.text for _, c in ok]),
         "cache_full_rows": sum(c.finish_reason == "cache_full" for _, c in ok),
         "partial_character_rows": sum(c.trimmed_partial_character for _, c in ok),
+        "structured_rows": len(ok) if generation.response_format else None,
+        "structured_incomplete": sum(b.reason.startswith(INCOMPLETE) for b in unstructured),
         "error_reasons": error_reason_counts(bad),
         **provenance(generation, chat_template),
     }
