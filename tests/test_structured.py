@@ -258,3 +258,16 @@ def test_the_pipeline_commits_whole_valid_records_and_counts_the_cut_ones(
     assert all(e["raw"].startswith('{"') for e in errors)  # what was generated is kept
     metrics = ds.dataset(f"{cut}/metrics", partitioning="hive").to_table().to_pylist()
     assert sum(m["structured_incomplete"] for m in metrics) == len(rows)
+
+
+def test_the_qa_records_demo_config_is_valid_and_structured():
+    import yaml
+
+    from flows.cli import DEMO_DIR, DEMO_EXAMPLES
+    from schemas import parse_run_config
+
+    raw = yaml.safe_load((DEMO_DIR / DEMO_EXAMPLES["qa-records"]).read_text())
+    config = parse_run_config(raw)
+    assert config.generation.response_format.type == "json_schema"
+    assert config.generation.engine_sampling.response_format == config.generation.response_format
+    assert (DEMO_DIR / raw["input"]["uri"]).exists()
