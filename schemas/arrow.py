@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+INPUT_OFFSET_DOC = (
+    "where the record starts in its input file (the shard's source): byte offset of its JSONL "
+    "line (in the decompressed text for .gz), or row number (Parquet)"
+)
+
 DATA_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string(), nullable=False),
@@ -19,6 +24,7 @@ DATA_SCHEMA = pa.schema(
         pa.field("accepted", pa.int32()),
         pa.field("seed", pa.int64()),
         pa.field("sample_index", pa.int32(), metadata={"doc": "0..samples_per_prompt-1"}),
+        pa.field("input_offset", pa.int64(), metadata={"doc": INPUT_OFFSET_DOC}),
     ]
 )
 
@@ -29,6 +35,7 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("id", pa.string()),
         pa.field("reason", pa.string(), nullable=False),
         pa.field("raw", pa.string(), metadata={"doc": "the offending value, truncated"}),
+        pa.field("input_offset", pa.int64(), metadata={"doc": INPUT_OFFSET_DOC}),
     ]
 )
 

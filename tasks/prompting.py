@@ -59,7 +59,7 @@ def render_records(
         try:
             text, ids = render_prompt(tokenizer, record.prompt, spec)
         except ValueError as error:
-            bad.append(BadRecord(record.row, record.record_id, str(error),
+            bad.append(BadRecord(record.row, record.offset, record.record_id, str(error),
                                  truncate(record.prompt_text)))
             continue
         rendered.append(replace(record, prompt=ids, prompt_text=text))

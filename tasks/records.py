@@ -28,6 +28,7 @@ Prompt = str | list[dict[str, str]] | list[int]  # token ids once rendered
 @dataclass(frozen=True)
 class Record:
     row: int
+    offset: int  # its place in the input file: the data's input_offset
     record_id: str
     prompt: Prompt
     prompt_text: str  # chats as JSON until rendered; then the exact text sent
@@ -38,6 +39,7 @@ class Record:
 @dataclass(frozen=True)
 class BadRecord:
     row: int
+    offset: int
     record_id: str  # the id field when readable, else source:offset
     reason: str
     raw: str
@@ -224,7 +226,7 @@ def read_shard(
             prompt, text = build_prompt(value, spec)
             _check_encodable(text)
         except ValueError as error:
-            bad.append(BadRecord(row, record_id, str(error), truncate(raw)))
+            bad.append(BadRecord(row, offset, record_id, str(error), truncate(raw)))
             continue
-        good.append(Record(row, record_id, prompt, text, record_seed(run_seed, record_id)))
+        good.append(Record(row, offset, record_id, prompt, text, record_seed(run_seed, record_id)))
     return good, bad

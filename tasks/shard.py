@@ -91,12 +91,13 @@ def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
             "accepted": completion.accepted,
             "seed": record.seed,
             "sample_index": record.sample_index,
+            "input_offset": record.offset,
         }
         for record, completion in zip(records, completions, strict=True)
     ]
     errors = [
         {"shard_id": shard.shard_id, "row": b.row, "id": b.record_id, "reason": b.reason,
-         "raw": b.raw}
+         "raw": b.raw, "input_offset": b.offset}
         for b in sorted(bad, key=lambda b: b.row)
     ]
     return pa.Table.from_pylist(data, DATA_SCHEMA), pa.Table.from_pylist(errors, ERRORS_SCHEMA)
@@ -150,7 +151,7 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         held_seconds = lease.held_seconds()
     ok = [(r, c) for r, c in zip(records, completions, strict=True) if c.finish_reason != "error"]
     bad += unrenderable + [  # a prompt the engine refused (too long, ...): one row per record
-        BadRecord(r.row, r.record_id, c.error, truncate(r.prompt_text))
+        BadRecord(r.row, r.offset, r.record_id, c.error, truncate(r.prompt_text))
         for r, c in zip(records, completions, strict=True)
         if c.finish_reason == "error" and r.sample_index == 0
     ]
