@@ -21,6 +21,7 @@ from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
 from schemas.pricing import device_cost
 from schemas.run import RunConfig
 from tasks import leases
+from tasks.batch_requests import read_records, shard_sampling
 from tasks.commit import (
     commit_shard,
     new_attempt_id,
@@ -34,7 +35,7 @@ from tasks.planning import Shard, check_unchanged
 from tasks.prompting import prompt_format, render_records
 from tasks.provenance import provenance
 from tasks.quality import blank_count, error_reason_counts
-from tasks.records import BadRecord, Record, read_shard, truncate, with_samples
+from tasks.records import BadRecord, Record, truncate, with_samples
 from tasks.stopping import ShardAbandoned, stop_requested
 from tasks.storage import filesystem
 
@@ -136,15 +137,15 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
     started_at = dt.datetime.now(dt.UTC)
     input_fs, _ = filesystem(config.input.uri, config.storage)
     check_unchanged(input_fs, [shard], layout.run_id)
-    records, bad = read_shard(input_fs, shard, config.input, config.seed)
+    records, bad = read_records(input_fs, shard, config)
     input_rows = len(records) + len(bad)
-    generation = config.generation
+    generation, sampling = config.generation, shard_sampling(shard, config)
     with leased_engine(generation.engine, generation.warmup) as lease:
         engine = lease.engine
         records, unrenderable = render_records(engine.tokenizer, records, config.input)
         records = with_samples(records, generation.samples_per_prompt, config.seed)
         engine.reset_stats()
-        completions = _generate(engine, records, generation.sampling, shard)
+        completions = _generate(engine, records, sampling, shard)
         engine_stats = {**engine.stats.as_dict(), **engine.model_info,
                         **engine.hardware_info, "draft_kind": engine.draft_kind}
         chat_template = prompt_format(engine.tokenizer, config.input)
@@ -167,7 +168,7 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         "cache_full_rows": sum(c.finish_reason == "cache_full" for _, c in ok),
         "partial_character_rows": sum(c.trimmed_partial_character for _, c in ok),
         "error_reasons": error_reason_counts(bad),
-        **provenance(generation, chat_template),
+        **provenance(sampling, generation.samples_per_prompt, chat_template),
     }
     tables = {"data": data, "errors": errors,
               "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
