@@ -183,6 +183,8 @@ def demo(
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     _generate(_load(raw, set_ or []))
 
+from flows.export import export  # noqa: E402
 from flows.report import report  # noqa: E402
 
 app.command()(report)
+app.command()(export)

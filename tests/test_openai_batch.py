@@ -1,5 +1,6 @@
-"""An OpenAI Batch API file: `corpusgen plan` says what a run will do, and a request the engine
-cannot run as asked is an error naming the field."""
+"""An OpenAI Batch API file, end to end: `corpusgen plan` says what it will do, a run on the tiny
+random Llama honours each request's parameters, and `corpusgen export` writes lines that the
+`openai` package's own pydantic types parse, one per request, in input order."""
 
 from __future__ import annotations
 
@@ -8,15 +9,35 @@ import re
 
 import pytest
 import yaml
+from openai import BaseModel
+from openai.types import BatchError, BatchRequestCounts
+from openai.types.chat import ChatCompletion
+from openai.types.shared import ErrorObject
 from pipeline_fixtures import run_config, tiny_engine
 from typer.testing import CliRunner
 
 from flows.cli import app
-from schemas import ConfigError, SamplingParams, parse_run_config
+from flows.generate import generate_corpus
+from schemas import ConfigError, EngineConfig, SamplingParams, parse_run_config
 from tasks.batch_requests import parse_request
 
 runner = CliRunner()
 STRUCTURED = "response_format" in SamplingParams.model_fields
+
+
+class Response(BaseModel):
+    status_code: int
+    request_id: str
+    body: dict
+
+
+class OutputLine(BaseModel):
+    """A line of a Batch API output or error file (the openai package has no type for it)."""
+
+    id: str
+    custom_id: str
+    response: Response | None
+    error: BatchError | None
 
 
 def request(custom_id: str, content, **body) -> dict:
@@ -77,6 +98,65 @@ def test_plan_says_what_a_batch_file_run_will_do(batch_run):
     assert "1 prompts too long for the grid" in result.output
 
 
+def test_a_batch_file_runs_and_exports_as_the_batch_api_output(
+    batch_run, tmp_path, tiny_llama_dir, prefect_server
+):
+    config, _ = batch_run
+    batch_bytes = (tmp_path / "batch.jsonl").read_bytes()
+    generate_corpus(config)
+    errors_path = tmp_path / "errors.jsonl"
+    exported = runner.invoke(app, ["export", config["output"], "--format", "openai-batch",
+                                   "--errors", str(errors_path)])
+    assert exported.exit_code == 0, exported.output
+    results = [OutputLine.model_validate_json(line) for line in exported.stdout.splitlines()]
+    errors = [OutputLine.model_validate_json(line) for line in errors_path.read_text().splitlines()]
+    counts = BatchRequestCounts(completed=len(results), failed=len(errors), total=len(LINES))
+    assert counts.completed + counts.failed == counts.total
+
+    assert [r.custom_id for r in results] == [
+        line["custom_id"] for line, outcome in LINES if outcome is None]
+    completions = {}
+    for line in results:
+        assert line.response.status_code == 200 and line.error is None
+        completion = ChatCompletion.model_validate(line.response.body)
+        assert completion.object == "chat.completion" and completion.usage.prompt_tokens > 0
+        completions[line.custom_id] = completion
+
+    expected_errors = [(line, outcome) for line, outcome in LINES if outcome is not None]
+    assert len(errors) == len(expected_errors)
+    for error, (line, (code, param)) in zip(errors, expected_errors, strict=True):
+        assert error.response.status_code == 400
+        body = ErrorObject.model_validate(error.response.body["error"])
+        assert (body.code, body.param) == (code, param), body.message
+        where = f"batch.jsonl:{batch_bytes.index(line.encode())}" if isinstance(line, str) else ""
+        assert error.custom_id == (where or line["custom_id"])  # no custom_id: file:byte
+
+    assert [c.index for c in completions["n3"].choices] == [0, 1, 2]
+    hot, twin = completions["hot"], completions["hot-twin"]
+    assert hot.choices[0].message.content == twin.choices[0].message.content  # seed 11 twice
+    assert hot.usage.completion_tokens <= 3 and twin.usage.completion_tokens <= 3
+
+    # The request's temperature, max_tokens and seed are what the engine sampled with.
+    from generation import Engine
+    from generation.prompts import chat_text_and_ids
+
+    engine = Engine.from_config(EngineConfig.model_validate(tiny_engine(tiny_llama_dir)))
+    _, ids = chat_text_and_ids(engine.tokenizer, [{"role": "user", "content": "Name a comet."}])
+    alone = engine.generate([ids], SamplingParams(max_new_tokens=3, temperature=0.8), [11])[0]
+    assert hot.choices[0].message.content == alone.text
+    assert hot.choices[0].finish_reason == ("length" if alone.finish_reason == "length"
+                                            else "stop")
+
+    again = runner.invoke(app, ["export", config["output"], "--format", "openai-batch",
+                                "--errors", str(tmp_path / "again.jsonl")])
+    assert again.stdout == exported.stdout  # ids and order are stable
+    assert (tmp_path / "again.jsonl").read_text() == errors_path.read_text()
+
+    next((tmp_path / "out" / "manifests").iterdir()).unlink()  # a shard not committed
+    unfinished = runner.invoke(app, ["export", config["output"], "--format", "openai-batch"])
+    assert unfinished.exit_code == 2 and "1 of 5 shards are not committed" in unfinished.output
+
+
 def test_a_batch_file_config_and_input_are_checked_in_one_line(batch_run, tmp_path):
     config, config_path = batch_run
     with pytest.raises(ConfigError, match=re.escape("openai_batch takes the id from custom_id "
@@ -87,6 +167,12 @@ def test_a_batch_file_config_and_input_are_checked_in_one_line(batch_run, tmp_pa
     result = runner.invoke(app, ["plan", str(config_path), "--set", f"input.uri={gz}"])
     assert result.exit_code == 2
     assert "input.format openai_batch reads uncompressed JSONL" in result.output
+
+
+def test_export_refuses_what_it_cannot_answer_in_one_line(tmp_path):
+    result = runner.invoke(app, ["export", str(tmp_path), "--format", "openai-batch"])
+    assert result.exit_code == 2
+    assert result.output.strip() == f"error: {tmp_path} holds 0 runs (none); pick one with --run"
 
 
 @pytest.mark.parametrize(("body", "reason"), [
