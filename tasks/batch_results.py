@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 from itertools import groupby
-from typing import Any
+from typing import Any, TextIO
 
 from fsspec import AbstractFileSystem
 
@@ -124,6 +124,6 @@ def batch_output(layout: RunLayout, plan: Plan) -> BatchOutput:
     return BatchOutput(plan.run_id, results, errors)
 
 
-def write_lines(lines: list[dict[str, Any]], file) -> None:
+def write_lines(lines: list[dict[str, Any]], file: TextIO) -> None:
     for line in lines:
         file.write(json.dumps(line, ensure_ascii=False) + "\n")
