@@ -103,8 +103,8 @@ def _content(value: Any, where: str) -> str:
     for index, part in enumerate(value):
         kind = part.get("type") if isinstance(part, dict) else None
         if kind != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(f"unsupported_field: {where}[{index}] is {kind or 'no'} part; "
-                             "the engine reads text parts only")
+            raise ValueError(f"unsupported_field: {where}[{index}] is a {kind!r} part; the "
+                             "engine reads text parts only")
         texts.append(part["text"])
     return "\n".join(texts)
 
