@@ -11,7 +11,7 @@ import yaml
 from rich.table import Table
 
 from flows import console as cli_console
-from schemas.run import ConfigError, RunConfig, parse_run_config
+from schemas.run import OPENAI_BATCH, ConfigError, RunConfig, parse_run_config
 
 # corpusgen runs offline: Prefect's telemetry has nowhere to go and would log an error per run.
 os.environ.setdefault("DO_NOT_TRACK", "1")
@@ -94,6 +94,7 @@ def run(config: ConfigArg, set_: SetOption = None) -> None:
 def plan(config: ConfigArg, set_: SetOption = None) -> None:
     """Print the shard plan (shards, estimated rows, buckets) and what is left to generate,
     without generating or writing."""
+    from tasks.batch_requests import group_labels, plan_lines
     from tasks.commit import committed_shard_ids
     from tasks.duplicates import with_duplicates
     from tasks.layout import run_layout
@@ -111,13 +112,17 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
     committed = committed_shard_ids(run_layout(run_config))
     run_id = run_config.resolved_run_id()
     table = Table(title=f"run {run_id}: {len(shards)} shards")
-    for column in ("shard_id", "source", "format", "range", "est. rows", "batches", "state"):
+    batch_file = run_config.input.format == OPENAI_BATCH
+    labels = group_labels(shards) if batch_file else {}
+    for column in ("shard_id", "source", "format", "range", "est. rows", "batches", "state",
+                   *(["group"] if batch_file else [])):
         table.add_column(column)
     for shard in shards:
         batches = -(-shard.estimated_rows // grid.max_batch)
         state = "committed" if shard.shard_id in committed else "to generate"
         table.add_row(shard.shard_id, shard.source, shard.format, f"{shard.start}-{shard.end}",
-                      str(shard.estimated_rows), str(batches), state)
+                      str(shard.estimated_rows), str(batches), state,
+                      *([labels[shard.group]] if batch_file else []))
     console.print(table)
     console.print(
         f"estimated rows: {sum(s.estimated_rows for s in shards)}; buckets: batch "
@@ -125,7 +130,10 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
         f"draft K {grid.draft_lengths}; output: {run_config.output}"
     )
     duplicates = sum(len(shard.duplicates) for shard in shards)
-    if duplicates:
+    if batch_file:  # duplicates included
+        for line in plan_lines(input_fs, shards, run_config):
+            console.print(line, soft_wrap=True, markup=False)
+    elif duplicates:
         console.print(f"duplicate ids: {duplicates} later copies will be error rows "
                       "(duplicate_id), each naming where its id was first used")
     left = [shard for shard in shards if shard.shard_id not in committed]
@@ -183,6 +191,8 @@ def demo(
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
     _generate(_load(raw, set_ or []))
 
+from flows.export import export  # noqa: E402
 from flows.report import report  # noqa: E402
 
 app.command()(report)
+app.command()(export)

@@ -34,8 +34,8 @@ class Estimate:
     cache_full: int  # prompts that fit but leave less room than max_new_tokens in the cache
     prompt_tokens: int  # of the prompts that fit, after templating
     chat_template: str  # chat | raw
-    samples: int  # completions to generate (prompts that fit x samples_per_prompt)
-    max_generated_tokens: int  # every sample runs to max_new_tokens
+    samples: int  # completions to generate (prompts that fit x their samples)
+    max_generated_tokens: int  # every sample runs to its max_new_tokens
     history: dict[str, Any] | None  # earlier runs with the same model pair and device
     expected_generated_tokens: int | None
     expected_device_seconds: float | None  # generation + one engine load per engine
@@ -56,12 +56,22 @@ def history(con, config: RunConfig) -> dict[str, Any] | None:
 
 
 @dataclass(frozen=True)
+class PromptShape:
+    """A usable prompt: its token count after templating, and what it asks to generate (a
+    batch file's requests each set their own)."""
+
+    tokens: int
+    samples: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
 class PromptCounts:
     """What reading and templating the shards' prompts found (tasks.prompting.count_prompts)."""
 
     rows: int  # records read
     bad_rows: int  # unreadable, or without a usable prompt
-    lengths: list[int]  # token counts of the usable prompts, after templating
+    prompts: list[PromptShape]
     chat_template: str  # chat | raw
 
 
@@ -70,23 +80,22 @@ def estimate_run(
 ) -> Estimate:
     """Rows, tokens and (from `past` runs) expected time and cost of generating `prompts`."""
     grid = config.generation.engine.bucket_grid
-    max_prompt, max_new_tokens = grid.max_prompt, config.generation.sampling.max_new_tokens
-    fitting = [n for n in prompts.lengths if n <= max_prompt]
-    cache_full = sum(1 for n in fitting if n + max_new_tokens > grid.max_context)
-    generation = config.generation
-    samples = len(fitting) * generation.samples_per_prompt
-    max_tokens = samples * max_new_tokens
+    fitting = [p for p in prompts.prompts if p.tokens <= grid.max_prompt]
+    cache_full = sum(1 for p in fitting if p.tokens + p.max_new_tokens > grid.max_context)
+    samples = sum(p.samples for p in fitting)
+    max_tokens = sum(p.samples * p.max_new_tokens for p in fitting)
     expected_tokens = seconds = cost = None
     if past:
-        expected_tokens = round(min(past["tokens_per_row"], max_new_tokens) * samples)
+        expected_tokens = round(sum(min(past["tokens_per_row"], p.max_new_tokens) * p.samples
+                                    for p in fitting))
         engines = 1 if config.dispatch.mode == "local" else min(
             config.accelerator_slots, -(-shard_count // config.dispatch.shards_per_run))
         load = (past["load_seconds"] or 0.0) * engines
         seconds = (expected_tokens / past["tokens_per_second"] + load) * config.devices_per_slot
         cost = device_cost(seconds, 1, config.pricing.usd_per_hour())
-    return Estimate(prompts.rows, prompts.bad_rows, len(prompts.lengths) - len(fitting),
-                    cache_full, sum(fitting), prompts.chat_template, samples, max_tokens, past,
-                    expected_tokens, seconds, cost)
+    return Estimate(prompts.rows, prompts.bad_rows, len(prompts.prompts) - len(fitting),
+                    cache_full, sum(p.tokens for p in fitting), prompts.chat_template, samples,
+                    max_tokens, past, expected_tokens, seconds, cost)
 
 
 def cache_warning(estimate: Estimate, config: RunConfig) -> str | None:

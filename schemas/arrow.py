@@ -6,6 +6,11 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+INPUT_OFFSET_DOC = (
+    "where the record starts in its input file (the shard's source): byte offset of its JSONL "
+    "line (in the decompressed text for .gz), or row number (Parquet)"
+)
+
 DATA_SCHEMA = pa.schema(
     [
         pa.field("id", pa.string(), nullable=False),
@@ -26,6 +31,7 @@ DATA_SCHEMA = pa.schema(
                              "the distribution sampled (temperature, top-k/p, mask applied)"},
         ),
         pa.field("mean_logprob", pa.float64(), metadata={"doc": "mean of token_logprobs"}),
+        pa.field("input_offset", pa.int64(), metadata={"doc": INPUT_OFFSET_DOC}),
     ]
 )
 
@@ -36,6 +42,7 @@ ERRORS_SCHEMA = pa.schema(
         pa.field("id", pa.string()),
         pa.field("reason", pa.string(), nullable=False),
         pa.field("raw", pa.string(), metadata={"doc": "the offending value, truncated"}),
+        pa.field("input_offset", pa.int64(), metadata={"doc": INPUT_OFFSET_DOC}),
     ]
 )
 

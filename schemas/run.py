@@ -19,7 +19,8 @@ from pydantic import Field, ValidationError, model_validator
 from schemas.engine import EngineConfig, ResponseFormat, SamplingParams, StrictModel
 from schemas.pricing import UnknownDeviceError, load_prices, price_for
 
-InputFormat = Literal["auto", "jsonl", "jsonl.gz", "parquet"]
+InputFormat = Literal["auto", "jsonl", "jsonl.gz", "parquet", "openai_batch"]
+OPENAI_BATCH = "openai_batch"
 
 
 class ConfigError(ValueError):
@@ -30,14 +31,19 @@ class InputSpec(StrictModel):
     """Where records come from and how a record becomes a prompt.
 
     Exactly one of `prompt_field` (plain text), `template` (`{field}` placeholders filled from the
-    record) or `messages_field` (a chat: list of {"role", "content"}) says how to build the prompt.
+    record) or `messages_field` (a chat: list of {"role", "content"}) says how to build the prompt,
+    except for `format: openai_batch`, whose lines say it themselves (custom_id, body.messages).
     Plain prompts are sent as one user message through the model's chat template (`auto`, when
     the tokenizer has one: instruct models answer raw text with nothing), or as raw text (`off`,
     for base models).
     """
 
     uri: str = Field(description="file, directory or glob; local path or s3://bucket/key")
-    format: InputFormat = Field("auto", description="auto = from the file extension")
+    format: InputFormat = Field(
+        "auto", description="auto = from the file extension; openai_batch: an OpenAI Batch API "
+        "file (.jsonl) of /v1/chat/completions requests: custom_id is the id, body.messages the "
+        "chat, and body's sampling fields override generation.sampling",
+    )
     id_field: str | None = Field(None, description="stable record id; default source:offset")
     prompt_field: str | None = Field(None, description="the field holding a plain-text prompt")
     template: str | None = Field(
@@ -52,6 +58,10 @@ class InputSpec(StrictModel):
     system_prompt: str | None = Field(
         None, description="system message for plain prompts sent through the chat template"
     )
+    model_name: str | None = Field(
+        None, description="openai_batch: the body.model requests may name besides the target's "
+        "path and that path's last part (packaged:<name>: <name>)",
+    )
     on_invalid_utf8: Literal["error", "replace"] = Field(
         "error",
         description="a JSONL line that is not UTF-8: an error row `invalid_utf8` naming its "
@@ -61,6 +71,10 @@ class InputSpec(StrictModel):
     @model_validator(mode="after")
     def _one_prompt_source(self) -> InputSpec:
         given = [f for f in ("prompt_field", "template", "messages_field") if getattr(self, f)]
+        if self.format == OPENAI_BATCH:
+            return self._batch_file_alone(given)
+        if self.model_name is not None:
+            raise ValueError("input.model_name applies to input.format: openai_batch only")
         if len(given) != 1:
             raise ValueError(
                 "set exactly one of input.prompt_field, input.template, input.messages_field "
@@ -82,6 +96,18 @@ class InputSpec(StrictModel):
                 "input.chat_template: off sends raw text, but messages_field chats need the "
                 "template; use prompt_field/template for raw text"
             )
+        return self
+
+    def _batch_file_alone(self, given: list[str]) -> InputSpec:
+        """A batch file's lines hold the id, the chat and the sampling overrides."""
+        given += [f for f in ("id_field", "system_prompt") if getattr(self, f) is not None]
+        if given:
+            raise ValueError(
+                f"input.format: openai_batch takes the id from custom_id and the chat from "
+                f"body.messages; remove input.{', input.'.join(given)}"
+            )
+        if self.chat_template == "off":
+            raise ValueError("input.format: openai_batch chats need input.chat_template: auto")
         return self
 
 

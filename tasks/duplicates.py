@@ -113,7 +113,10 @@ def _later_copies(
 
 
 def with_duplicates(fs: AbstractFileSystem, shards: list[Shard], spec: InputSpec) -> list[Shard]:
-    """The shards with their later copies of ids recorded (what the plan stores)."""
+    """The shards with their later copies of ids recorded (what the plan stores). Without
+    input.id_field ids are unique, or (openai_batch) checked by the batch planner."""
+    if not spec.id_field:
+        return shards
     found = find_duplicates(fs, shards, spec)
     return [replace(shard, duplicates=tuple(sorted(found.get(shard.shard_id, {}).items())))
             for shard in shards]

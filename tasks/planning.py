@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
-from schemas.run import RunConfig
+from schemas.run import OPENAI_BATCH, RunConfig
 from tasks.commit import create_exclusive
 from tasks.failures import InputChanged
 from tasks.layout import RunLayout
@@ -61,6 +61,10 @@ class Shard:
     # (row, where its id was first seen) for the shard's later copies of an id seen before
     # in plan order: error rows `duplicate_id` (tasks/duplicates.py)
     duplicates: tuple[tuple[int, str], ...] = ()
+    # openai_batch: the one group of the file's lines the shard reads in its range, the
+    # sampling parameters they share as JSON (or INVALID: lines that are error rows); see
+    # tasks/batch_requests.py
+    group: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,6 +98,11 @@ class Plan:
 
 
 def detect_format(path: str, configured: str) -> str:
+    if configured == OPENAI_BATCH and EXTENSIONS.get("." + path.rsplit(".", 1)[-1]) != "jsonl":
+        raise InputError(
+            f"input file {path!r}: input.format openai_batch reads uncompressed JSONL (.jsonl), "
+            "as the Batch API takes it"
+        )
     if configured != "auto":
         return configured
     for extension, fmt in EXTENSIONS.items():
@@ -202,8 +211,9 @@ def check_unchanged(fs: AbstractFileSystem, shards: list[Shard], run_id: str) ->
             )
 
 
-def _shard_id(path: str, start: int, end: int, fingerprint: str) -> str:
-    return hashlib.sha256(f"{path}|{start}|{end}|{fingerprint}".encode()).hexdigest()[:16]
+def shard_id_of(path: str, start: int, end: int, fingerprint: str, group: str = "") -> str:
+    key = f"{path}|{start}|{end}|{fingerprint}" + (f"|{group}" if group else "")
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def _bytes_per_row(sample: bytes) -> float:
@@ -244,7 +254,7 @@ def _plan_jsonl(fs, path, source, size, fingerprint, rows_per_shard) -> list[Sha
     shards = []
     for start, end in itertools.pairwise(bounds):
         shards.append(
-            Shard(_shard_id(path, start, end, fingerprint), path, source, "jsonl", start, end, 0,
+            Shard(shard_id_of(path, start, end, fingerprint), path, source, "jsonl", start, end, 0,
                   max(round((end - start) / bytes_per_row), 1), fingerprint)
         )
     return shards
@@ -261,7 +271,7 @@ def _plan_gzip(fs, path, source, size, fingerprint) -> list[Shard]:
         raise InputError(f"input file {where!r} is not valid gzip: {error}") from None
     consumed = len(compressed) - len(inflater.unconsumed_tail)
     estimated = round(lines * size / max(consumed, 1))
-    shard_id = _shard_id(path, 0, size, fingerprint)
+    shard_id = shard_id_of(path, 0, size, fingerprint)
     return [Shard(shard_id, path, source, "jsonl.gz", 0, size, 0, estimated, fingerprint)]
 
 
@@ -279,7 +289,7 @@ def _plan_parquet(fs, path, source, fingerprint, rows_per_shard) -> list[Shard]:
         if rows >= rows_per_shard or last:
             end = index + 1
             shards.append(
-                Shard(_shard_id(path, group, end, fingerprint), path, source, "parquet", group,
+                Shard(shard_id_of(path, group, end, fingerprint), path, source, "parquet", group,
                       end, first_row, rows, fingerprint)
             )
             group, first_row, rows = end, first_row + rows, 0
@@ -287,6 +297,9 @@ def _plan_parquet(fs, path, source, fingerprint, rows_per_shard) -> list[Shard]:
 
 
 def plan_shards(fs: AbstractFileSystem, config: RunConfig, input_path: str) -> list[Shard]:
+    # Imported here: it reads lines with tasks.records, which imports this module.
+    from tasks.batch_requests import plan_batch_file
+
     files, root = list_input_files(fs, input_path)
     shards: list[Shard] = []
     for path in files:
@@ -297,7 +310,9 @@ def plan_shards(fs: AbstractFileSystem, config: RunConfig, input_path: str) -> l
         rows_per_shard = config.sharding.rows_per_shard
         if info["size"] == 0:
             continue
-        if fmt == "parquet":
+        if fmt == OPENAI_BATCH:
+            shards += plan_batch_file(fs, path, source, info["size"], fingerprint, config)
+        elif fmt == "parquet":
             shards += _plan_parquet(fs, path, source, fingerprint, rows_per_shard)
         elif fmt == "jsonl.gz":
             shards += _plan_gzip(fs, path, source, info["size"], fingerprint)

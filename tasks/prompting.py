@@ -12,10 +12,11 @@ from dataclasses import replace
 from typing import Any
 
 from generation.prompts import chat_text_and_ids
-from reporting.estimate import PromptCounts
-from schemas.run import InputSpec, RunConfig
+from reporting.estimate import PromptCounts, PromptShape
+from schemas.run import OPENAI_BATCH, InputSpec, RunConfig
+from tasks.batch_requests import read_records, shard_sampling
 from tasks.planning import Shard
-from tasks.records import BadRecord, Prompt, Record, read_shard, truncate
+from tasks.records import BadRecord, Prompt, Record, truncate
 from tasks.storage import filesystem
 
 CHAT, RAW = "chat", "raw"
@@ -27,7 +28,8 @@ def has_chat_template(tokenizer: Any) -> bool:
 
 def prompt_format(tokenizer: Any, spec: InputSpec) -> str:
     """`chat` when prompts go through the chat template, `raw` when they are sent as text."""
-    if spec.messages_field or (spec.chat_template == "auto" and has_chat_template(tokenizer)):
+    chats = spec.messages_field or spec.format == OPENAI_BATCH
+    if chats or (spec.chat_template == "auto" and has_chat_template(tokenizer)):
         return CHAT
     return RAW
 
@@ -44,8 +46,8 @@ def render_prompt(tokenizer: Any, prompt: Prompt, spec: InputSpec) -> tuple[str,
         prompt = [*system, {"role": "user", "content": prompt}]
     if not has_chat_template(tokenizer):
         raise ValueError(
-            "no_chat_template: the tokenizer has no chat template for messages_field chats; "
-            "use prompt_field/template with input.chat_template: off"
+            "no_chat_template: the tokenizer has no chat template for chats (messages_field, "
+            "openai_batch); use prompt_field/template with input.chat_template: off"
         )
     return chat_text_and_ids(tokenizer, prompt)
 
@@ -59,7 +61,7 @@ def render_records(
         try:
             text, ids = render_prompt(tokenizer, record.prompt, spec)
         except ValueError as error:
-            bad.append(BadRecord(record.row, record.record_id, str(error),
+            bad.append(BadRecord(record.row, record.offset, record.record_id, str(error),
                                  truncate(record.prompt_text)))
             continue
         rendered.append(replace(record, prompt=ids, prompt_text=text))
@@ -71,11 +73,14 @@ def count_prompts(config: RunConfig, shards: list[Shard], tokenizer: Any) -> Pro
     with the target's tokenizer alone: what `corpusgen plan` estimates from."""
     input_fs, _ = filesystem(config.input.uri, config.storage)
     rows = bad_rows = 0
-    lengths: list[int] = []
+    prompts: list[PromptShape] = []
+    samples = config.generation.samples_per_prompt
     for shard in shards:
-        good, bad = read_shard(input_fs, shard, config.input, config.seed)
+        good, bad = read_records(input_fs, shard, config)
         rendered, unrenderable = render_records(tokenizer, good, config.input)
         rows += len(good) + len(bad)
         bad_rows += len(bad) + len(unrenderable)
-        lengths += [len(record.prompt) for record in rendered]
-    return PromptCounts(rows, bad_rows, lengths, prompt_format(tokenizer, config.input))
+        max_new_tokens = shard_sampling(shard, config).max_new_tokens
+        prompts += [PromptShape(len(r.prompt), r.samples or samples, max_new_tokens)
+                    for r in rendered]
+    return PromptCounts(rows, bad_rows, prompts, prompt_format(tokenizer, config.input))

@@ -10,7 +10,7 @@ import os
 import socket
 from typing import Any
 
-from schemas.run import GenerationSpec
+from schemas.engine import SamplingParams
 
 CARD_VARIABLES = ("HABANA_VISIBLE_MODULES", "CUDA_VISIBLE_DEVICES")
 
@@ -34,13 +34,15 @@ def flow_run_id() -> str | None:
     return flow_run.id
 
 
-def provenance(generation: GenerationSpec, chat_template: str) -> dict[str, Any]:
-    sampling = {**generation.engine_sampling.model_dump(mode="json"),
-                "samples_per_prompt": generation.samples_per_prompt}
+def provenance(
+    sampling: SamplingParams, samples_per_prompt: int, chat_template: str
+) -> dict[str, Any]:
+    """The shard's sampling (a batch file's: its group's) and samples_per_prompt."""
+    described = {**sampling.model_dump(mode="json"), "samples_per_prompt": samples_per_prompt}
     return {
         "worker_name": worker_name(),
         "device_card": device_card(),
         "flow_run_id": flow_run_id(),
-        "sampling_params": json.dumps(sampling, sort_keys=True),
+        "sampling_params": json.dumps(described, sort_keys=True),
         "chat_template": chat_template,
     }

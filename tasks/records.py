@@ -28,16 +28,19 @@ Prompt = str | list[dict[str, str]] | list[int]  # token ids once rendered
 @dataclass(frozen=True)
 class Record:
     row: int
+    offset: int  # its place in the input file: the data's input_offset
     record_id: str
     prompt: Prompt
     prompt_text: str  # chats as JSON until rendered; then the exact text sent
     seed: int
     sample_index: int = 0
+    samples: int | None = None  # completions wanted (a batch request's n); None: the config's
 
 
 @dataclass(frozen=True)
 class BadRecord:
     row: int
+    offset: int
     record_id: str  # the id field when readable, else source:offset
     reason: str
     raw: str
@@ -54,13 +57,14 @@ def record_seed(run_seed: int, record_id: str) -> int:
 
 
 def with_samples(records: list[Record], samples: int, run_seed: int) -> list[Record]:
-    """`samples` copies of each record; copy i > 0 gets the seed of id `<id>#<i>`, so sample 0
-    keeps the seed a single-sample run uses and every sample stays stable across reruns."""
+    """`samples` copies of each record (its own `samples` where set); copy i > 0 gets the seed
+    of id `<id>#<i>`, so sample 0 keeps the seed a single-sample run uses and every sample
+    stays stable across reruns."""
     return [
         replace(record, sample_index=i,
                 seed=record.seed if i == 0 else record_seed(run_seed, f"{record.record_id}#{i}"))
         for record in records
-        for i in range(samples)
+        for i in range(record.samples or samples)
     ]
 
 
@@ -180,7 +184,23 @@ def build_prompt(record: dict, spec: InputSpec) -> tuple[Prompt, str]:
     return prompt, prompt
 
 
-def _check_encodable(text: str) -> None:
+def duplicate_reason(record_id: str, first_use: str) -> str:
+    return (f"duplicate_id: {record_id!r} was first used by {first_use}; this later copy is "
+            "not generated")
+
+
+def check_parsed(value: Any, source: str) -> None:
+    """ValueError (the error row's reason) for a line raw_items could not parse."""
+    if isinstance(value, InvalidUtf8):
+        raise ValueError(
+            f"invalid_utf8: byte {value.byte} of {source} is not UTF-8; fix the file, or set "
+            "input.on_invalid_utf8: replace to read it as U+FFFD"
+        )
+    if isinstance(value, json.JSONDecodeError):
+        raise ValueError(f"malformed_json: {value.msg}: column {value.colno}")
+
+
+def check_encodable(text: str) -> None:
     """JSON escapes can spell lone surrogates (\\ud800), which no UTF-8 output can hold."""
     try:
         text.encode("utf-8")
@@ -204,16 +224,10 @@ def read_shard(
         try:
             if row in first_seen:
                 record_id = id_field_value(value, spec.id_field) or record_id
-                raise ValueError(f"duplicate_id: {record_id!r} was first used by "
-                                 f"{first_seen[row]}; this later copy is not generated")
+                raise ValueError(duplicate_reason(record_id, first_seen[row]))
             if isinstance(value, InvalidUtf8):
                 record_id = id_field_value(value.record, spec.id_field) or record_id
-                raise ValueError(
-                    f"invalid_utf8: byte {value.byte} of {shard.source} is not UTF-8; fix the "
-                    "file, or set input.on_invalid_utf8: replace to read it as U+FFFD"
-                )
-            if isinstance(value, json.JSONDecodeError):
-                raise ValueError(f"malformed_json: {value.msg}: column {value.colno}")
+            check_parsed(value, shard.source)
             if not isinstance(value, dict):
                 raise ValueError(f"wrong_type: record is {type(value).__name__}, expected object")
             if spec.id_field:
@@ -222,9 +236,9 @@ def read_shard(
                     raise ValueError(f"duplicate_id: {record_id!r} already used in this shard")
                 seen.add(record_id)
             prompt, text = build_prompt(value, spec)
-            _check_encodable(text)
+            check_encodable(text)
         except ValueError as error:
-            bad.append(BadRecord(row, record_id, str(error), truncate(raw)))
+            bad.append(BadRecord(row, offset, record_id, str(error), truncate(raw)))
             continue
-        good.append(Record(row, record_id, prompt, text, record_seed(run_seed, record_id)))
+        good.append(Record(row, offset, record_id, prompt, text, record_seed(run_seed, record_id)))
     return good, bad

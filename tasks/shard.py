@@ -22,6 +22,7 @@ from schemas.engine import ResponseFormat
 from schemas.pricing import device_cost
 from schemas.run import RunConfig
 from tasks import leases
+from tasks.batch_requests import read_records, shard_sampling
 from tasks.commit import (
     commit_shard,
     new_attempt_id,
@@ -35,7 +36,7 @@ from tasks.planning import Shard, check_unchanged
 from tasks.prompting import prompt_format, render_records
 from tasks.provenance import provenance
 from tasks.quality import blank_count, error_reason_counts
-from tasks.records import BadRecord, Record, read_shard, truncate, with_samples
+from tasks.records import BadRecord, Record, truncate, with_samples
 from tasks.stopping import ShardAbandoned, stop_requested
 from tasks.storage import filesystem
 from tasks.structured import INCOMPLETE, structured_problem
@@ -100,7 +101,7 @@ def _structured_records(
             kept.append((record, completion))
         else:
             sample = f" (sample {record.sample_index})" if record.sample_index else ""
-            bad.append(BadRecord(record.row, record.record_id, problem + sample,
+            bad.append(BadRecord(record.row, record.offset, record.record_id, problem + sample,
                                  truncate(completion.text)))
     return kept, bad
 
@@ -121,12 +122,13 @@ def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
             "sample_index": record.sample_index,
             "token_logprobs": completion.token_logprobs,
             "mean_logprob": _mean(completion.token_logprobs),
+            "input_offset": record.offset,
         }
         for record, completion in zip(records, completions, strict=True)
     ]
     errors = [
         {"shard_id": shard.shard_id, "row": b.row, "id": b.record_id, "reason": b.reason,
-         "raw": b.raw}
+         "raw": b.raw, "input_offset": b.offset}
         for b in sorted(bad, key=lambda b: b.row)
     ]
     return pa.Table.from_pylist(data, DATA_SCHEMA), pa.Table.from_pylist(errors, ERRORS_SCHEMA)
@@ -165,26 +167,26 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
     started_at = dt.datetime.now(dt.UTC)
     input_fs, _ = filesystem(config.input.uri, config.storage)
     check_unchanged(input_fs, [shard], layout.run_id)
-    records, bad = read_shard(input_fs, shard, config.input, config.seed)
+    records, bad = read_records(input_fs, shard, config)
     input_rows = len(records) + len(bad)
-    generation = config.generation
+    generation, sampling = config.generation, shard_sampling(shard, config)
     with leased_engine(generation.engine, generation.warmup) as lease:
         engine = lease.engine
         records, unrenderable = render_records(engine.tokenizer, records, config.input)
         records = with_samples(records, generation.samples_per_prompt, config.seed)
         engine.reset_stats()
-        completions = _generate(engine, records, generation.engine_sampling, shard)
+        completions = _generate(engine, records, sampling, shard)
         engine_stats = {**engine.stats.as_dict(), **engine.model_info,
                         **engine.hardware_info, "draft_kind": engine.draft_kind}
         chat_template = prompt_format(engine.tokenizer, config.input)
         held_seconds = lease.held_seconds()
     ok = [(r, c) for r, c in zip(records, completions, strict=True) if c.finish_reason != "error"]
     bad += unrenderable + [  # a prompt the engine refused (too long, ...): one row per record
-        BadRecord(r.row, r.record_id, c.error, truncate(r.prompt_text))
+        BadRecord(r.row, r.offset, r.record_id, c.error, truncate(r.prompt_text))
         for r, c in zip(records, completions, strict=True)
         if c.finish_reason == "error" and r.sample_index == 0
     ]
-    ok, unstructured = _structured_records(generation.response_format, ok)
+    ok, unstructured = _structured_records(sampling.response_format, ok)
     bad += unstructured
     data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad)
     metrics = {
@@ -197,10 +199,10 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         "empty_completions": blank_count([c.text for _, c in ok]),
         "cache_full_rows": sum(c.finish_reason == "cache_full" for _, c in ok),
         "partial_character_rows": sum(c.trimmed_partial_character for _, c in ok),
-        "structured_rows": len(ok) if generation.response_format else None,
+        "structured_rows": len(ok) if sampling.response_format else None,
         "structured_incomplete": sum(b.reason.startswith(INCOMPLETE) for b in unstructured),
         "error_reasons": error_reason_counts(bad),
-        **provenance(generation, chat_template),
+        **provenance(sampling, generation.samples_per_prompt, chat_template),
     }
     tables = {"data": data, "errors": errors,
               "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}

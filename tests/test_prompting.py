@@ -50,7 +50,7 @@ def test_tokenizer_without_template_gets_raw_text_and_chats_become_error_rows(to
     base.chat_template = None
     assert render_prompt(base, "Once", plain())[0] == "Once"
     chat = InputSpec(uri="x.jsonl", messages_field="messages")
-    records = [Record(0, "a", [{"role": "user", "content": "hi"}], "[...]", 1)]
+    records = [Record(0, 0, "a", [{"role": "user", "content": "hi"}], "[...]", 1)]
     good, bad = render_records(base, records, chat)
     assert not good
     assert bad[0].reason.startswith("no_chat_template:") and bad[0].record_id == "a"
@@ -59,7 +59,7 @@ def test_tokenizer_without_template_gets_raw_text_and_chats_become_error_rows(to
 def test_chats_are_stored_as_the_rendered_text(tokenizer):
     chat = InputSpec(uri="x.jsonl", messages_field="messages")
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    (record,), bad = render_records(tokenizer, [Record(3, "a", messages, "[...]", 1)], chat)
+    (record,), bad = render_records(tokenizer, [Record(3, 0, "a", messages, "[...]", 1)], chat)
     assert not bad
     assert record.prompt_text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert record.prompt == tokenizer(record.prompt_text, add_special_tokens=False).input_ids
