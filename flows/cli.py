@@ -47,9 +47,13 @@ def _fail(error: Exception | str, status: int = 2) -> typer.Exit:
 
 
 def _load(source: Path | dict[str, Any], overrides: list[str]) -> RunConfig:
+    """The config, a chain step's pinned to its upstream run; exit 2 saying what is wrong."""
+    from tasks.chains import pin_upstream
+    from tasks.planning import InputError
+
     try:
-        return parse_run_config(source, overrides)
-    except ConfigError as error:
+        return pin_upstream(parse_run_config(source, overrides))
+    except (ConfigError, InputError) as error:
         raise _fail(error) from None
 
 
@@ -95,6 +99,7 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
     """Print the shard plan (shards, estimated rows, buckets) and what is left to generate,
     without generating or writing."""
     from tasks.batch_requests import group_labels, plan_lines
+    from tasks.chains import check_fields
     from tasks.commit import committed_shard_ids
     from tasks.duplicates import with_duplicates
     from tasks.layout import run_layout
@@ -104,6 +109,7 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
     run_config = _load(config, set_ or [])
     input_fs, input_path = filesystem(run_config.input.uri, run_config.storage)
     try:
+        chain_lines = check_fields(run_config)
         shards = with_duplicates(input_fs, plan_shards(input_fs, run_config, input_path),
                                  run_config.input)
     except InputError as error:
@@ -129,6 +135,8 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
         f"{grid.batch_sizes}, prompt {grid.prompt_lengths}, cache {grid.cache_lengths}, "
         f"draft K {grid.draft_lengths}; output: {run_config.output}"
     )
+    for line in chain_lines:  # the upstream run and the filters
+        console.print(line, soft_wrap=True, markup=False)
     duplicates = sum(len(shard.duplicates) for shard in shards)
     if batch_file:  # duplicates included
         for line in plan_lines(input_fs, shards, run_config):
@@ -171,24 +179,32 @@ def _print_estimate(config: RunConfig, shards: list) -> None:
         console.print(line, soft_wrap=True, markup=False)
 
 
-DEMO_EXAMPLES = {"chat": "config.yaml", "qa-records": "qa-records.yaml"}
+DEMO_EXAMPLES = {"chat": "config.yaml", "qa-records": "qa-records.yaml", "judge": "judge.yaml"}
+CHAINS = {"judge": "chat"}  # a chain step's demo runs the upstream example first
 
 
 @app.command()
 def demo(
     output: Annotated[Path, typer.Option(help="where outputs go")] = Path("out/demo"),
     example: Annotated[
-        str, typer.Option(help="chat: free-text answers; qa-records: JSON records under a schema")
+        str, typer.Option(help="chat: free-text answers; qa-records: JSON records under a "
+                          "schema; judge: chat's answers, then SmolLM2 scores them, keeps >= 3")
     ] = "chat",
     set_: SetOption = None,
 ) -> None:
     """Generate from the shipped demo prompts with the packaged SmolLM2 on this machine."""
     if example not in DEMO_EXAMPLES:
         raise typer.BadParameter(f"--example must be one of {', '.join(DEMO_EXAMPLES)}")
-    raw = yaml.safe_load((DEMO_DIR / DEMO_EXAMPLES[example]).read_text())
-    raw["input"]["uri"] = str(DEMO_DIR / raw["input"]["uri"])
-    raw["output"] = str(output.resolve())
     os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+    raw = yaml.safe_load((DEMO_DIR / DEMO_EXAMPLES[example]).read_text())
+    if example in CHAINS:  # step 1 into OUTPUT/generate, this step into OUTPUT/<example>
+        upstream = output / "generate"
+        demo(upstream, CHAINS[example], [])
+        raw["input"]["uri"] = str(upstream.resolve() / "data")
+        output = output / example
+    else:
+        raw["input"]["uri"] = str(DEMO_DIR / raw["input"]["uri"])
+    raw["output"] = str(output.resolve())
     _generate(_load(raw, set_ or []))
 
 from flows.export import export  # noqa: E402

@@ -17,6 +17,7 @@ from prefect.logging import get_run_logger
 from prefect.states import Cancelled, State
 
 from schemas.run import RunConfig, parse_run_config
+from tasks.chains import check_fields, pin_upstream
 from tasks.commit import finalize, recover
 from tasks.dispatch import RunProgress, dispatch_deployments, dispatch_local, shard_task
 from tasks.duplicates import with_duplicates
@@ -38,6 +39,7 @@ SLOT_LEASE_SECONDS = 60  # renewed while the worker lives
 @task(name="plan-run", cache_policy=NO_CACHE)
 def plan_run(config: RunConfig) -> Plan:
     """Plan the shards and record the plan in the output before any generation."""
+    check_fields(config)
     layout = run_layout(config)
     input_fs, input_path = filesystem(config.input.uri, config.storage)
     shards = with_duplicates(input_fs, plan_shards(input_fs, config, input_path), config.input)
@@ -149,4 +151,5 @@ def generate_shards(config: ConfigSource, shard_ids: list[str]) -> list[dict[str
 
 
 def load_config(config: ConfigSource | RunConfig) -> RunConfig:
-    return parse_run_config(Path(config) if isinstance(config, str) else config)
+    """The run's config; a chain step's pinned to its upstream run (tasks/chains.py)."""
+    return pin_upstream(parse_run_config(Path(config) if isinstance(config, str) else config))

@@ -32,7 +32,25 @@ DATA_SCHEMA = pa.schema(
         ),
         pa.field("mean_logprob", pa.float64(), metadata={"doc": "mean of token_logprobs"}),
         pa.field("input_offset", pa.int64(), metadata={"doc": INPUT_OFFSET_DOC}),
+        pa.field("input_prompt", pa.string(), metadata={
+            "doc": "the prompt as the input record made it, before the chat template (a chat: "
+                   "its messages as JSON); a chain step's {prompt}"}),
+        pa.field("parent_id", pa.string(), metadata={
+            "doc": "a chain step: the upstream record's id (join on the upstream data's id)"}),
+        pa.field("parent_run_id", pa.string(), metadata={
+            "doc": "a chain step: the upstream run the record came from"}),
     ]
+)
+
+# A record a `filters:` rule dropped: its data columns, and which rule dropped it and why
+# (append the data columns to data/ to recover it).
+FILTERED_SCHEMA = pa.schema(
+    [DATA_SCHEMA.field("shard_id"), DATA_SCHEMA.field("id"),
+     pa.field("reason", pa.string(), nullable=False,
+              metadata={"doc": "why the rule dropped it: the value it saw"}),
+     pa.field("rule", pa.string(), nullable=False,
+              metadata={"doc": "the rule as configured (JSON)"}),
+     *[field for field in DATA_SCHEMA if field.name not in ("id", "shard_id")]]
 )
 
 ERRORS_SCHEMA = pa.schema(
@@ -179,6 +197,11 @@ METRICS_SCHEMA = pa.schema(
             "structured_incomplete",
             pa.int64(),
             metadata={"doc": "error rows cut before their structured value closed"},
+        ),
+        pa.field(
+            "filtered_rows",
+            pa.int64(),
+            metadata={"doc": "generated records a `filters:` rule dropped to filtered/"},
         ),
     ]
 )

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
+from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, FILTERED_SCHEMA, METRICS_SCHEMA
 from schemas.run import RunConfig
 
 CONFIG_START, CONFIG_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
@@ -80,6 +80,7 @@ def metrics_reference() -> str:
              "drifts from the schemas. Columns are only ever added at the end.",
              ""]
     for title, schema in (("data/", DATA_SCHEMA), ("errors/", ERRORS_SCHEMA),
+                          ("filtered/ (records a `filters:` rule dropped)", FILTERED_SCHEMA),
                           ("metrics/ (one row per committed shard)", METRICS_SCHEMA)):
         parts += [f"## {title}", "", "| column | type | meaning |", "|---|---|---|"]
         for field in schema:

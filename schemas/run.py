@@ -11,7 +11,7 @@ import hashlib
 import json
 import string
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -19,8 +19,9 @@ from pydantic import Field, ValidationError, model_validator
 from schemas.engine import EngineConfig, ResponseFormat, SamplingParams, StrictModel
 from schemas.pricing import UnknownDeviceError, load_prices, price_for
 
-InputFormat = Literal["auto", "jsonl", "jsonl.gz", "parquet", "openai_batch"]
+InputFormat = Literal["auto", "jsonl", "jsonl.gz", "parquet", "openai_batch", "run"]
 OPENAI_BATCH = "openai_batch"
+RUN_OUTPUT = "run"  # another corpusgen run's <output>/data: a chain step (tasks/chains.py)
 
 
 class ConfigError(ValueError):
@@ -42,7 +43,8 @@ class InputSpec(StrictModel):
     format: InputFormat = Field(
         "auto", description="auto = from the file extension; openai_batch: an OpenAI Batch API "
         "file (.jsonl) of /v1/chat/completions requests: custom_id is the id, body.messages the "
-        "chat, and body's sampling fields override generation.sampling",
+        "chat, and body's sampling fields override generation.sampling; run: another "
+        "run's `<output>/data` (auto when input.uri is one): a chain step",
     )
     id_field: str | None = Field(None, description="stable record id; default source:offset")
     prompt_field: str | None = Field(None, description="the field holding a plain-text prompt")
@@ -62,6 +64,11 @@ class InputSpec(StrictModel):
         None, description="openai_batch: the body.model requests may name besides the target's "
         "path and that path's last part (packaged:<name>: <name>)",
     )
+    run_id: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_-]+$", description="a chain step (input.uri is another "
+        "run's `<output>/data`): the upstream run it reads; default the newest complete one, "
+        "pinned when the step starts",
+    )
     on_invalid_utf8: Literal["error", "replace"] = Field(
         "error",
         description="a JSONL line that is not UTF-8: an error row `invalid_utf8` naming its "
@@ -75,6 +82,9 @@ class InputSpec(StrictModel):
             return self._batch_file_alone(given)
         if self.model_name is not None:
             raise ValueError("input.model_name applies to input.format: openai_batch only")
+        if self.format == RUN_OUTPUT and self.id_field is not None:
+            raise ValueError("input.id_field: a chain step's ids come from the upstream "
+                             "records (parent_id, #sample_index); remove it")
         if len(given) != 1:
             raise ValueError(
                 "set exactly one of input.prompt_field, input.template, input.messages_field "
@@ -216,6 +226,27 @@ class DispatchSpec(StrictModel):
     shards_per_run: int = Field(4, ge=1, description="shards per deployment flow run")
 
 
+FilterOp = Literal[">=", ">", "<=", "<", "==", "!="]
+
+
+class KeepFilter(StrictModel):
+    """Keep a record when `field op value` holds; any other record goes to `filtered/` with
+    the reason and this rule. `field` is a key of this run's structured record (the parsed
+    completion), else a column or structured field of the upstream record (a chain step)."""
+
+    kind: Literal["keep"]
+    field: str = Field(description="a key of the parsed completion or an upstream column")
+    op: FilterOp = Field(description="how the record's value compares with `value`")
+    value: float | int | str | bool = Field(description="what the field is compared with")
+
+    def describe(self) -> str:
+        return f"keep {self.field} {self.op} {json.dumps(self.value)}"
+
+
+# Discriminated on `kind`: other kinds (dedup, ...) join this union.
+Filter = Annotated[KeepFilter, Field(discriminator="kind")]
+
+
 class RunConfig(StrictModel):
     """A corpus run: input, generation, output and what it may cost."""
 
@@ -249,6 +280,11 @@ class RunConfig(StrictModel):
         60, ge=1, description="a shard's lease: a second run of this config skips a shard "
         "leased by a live run, and takes it over once the lease expires (its holder died)",
     )
+    filters: list[Filter] = Field(
+        [], description="rules applied to each generated record before commit, e.g. "
+        '{kind: keep, field: score, op: ">=", value: 4}; a dropped record goes to `filtered/` '
+        "with the reason and the rule",
+    )
     run_id: str | None = Field(
         None,
         pattern=r"^[A-Za-z0-9_-]+$",
@@ -260,9 +296,14 @@ class RunConfig(StrictModel):
         """Same input/generation/sharding/seed/output -> same run id -> a rerun resumes."""
         if self.run_id:
             return self.run_id
+        # Fields a version added count only when set, so earlier runs keep their ids.
         identity = self.model_dump(
             mode="json", include={"input", "generation", "sharding", "seed", "output"}
         )
+        if identity["input"]["run_id"] is None:
+            del identity["input"]["run_id"]
+        if self.filters:
+            identity["filters"] = [rule.model_dump(mode="json") for rule in self.filters]
         return "r" + _sha256_json(identity)[:12]
 
     def config_hash(self) -> str:

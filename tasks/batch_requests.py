@@ -25,7 +25,7 @@ from fsspec import AbstractFileSystem
 from pydantic import ValidationError
 
 from schemas.engine import SamplingParams
-from schemas.run import OPENAI_BATCH, RunConfig
+from schemas.run import OPENAI_BATCH, RUN_OUTPUT, RunConfig
 from tasks.planning import Shard, shard_id_of
 from tasks.records import (
     BadRecord,
@@ -248,6 +248,10 @@ def read_records(
     """A shard's records and error rows, from a batch file or any other input."""
     if shard.format == OPENAI_BATCH:
         return read_requests(fs, shard, config)
+    if shard.format == RUN_OUTPUT:
+        from tasks.chains import read_upstream
+
+        return read_upstream(fs, shard, config)
     return read_shard(fs, shard, config.input, config.seed)
 
 

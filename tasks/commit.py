@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
-from tasks.layout import PUBLISHED_KINDS, RunLayout
+from tasks.layout import ALWAYS_PUBLISHED, PUBLISHED_KINDS, RunLayout
 from tasks.storage import is_local
 
 
@@ -183,7 +183,7 @@ def finish_publishes(layout: RunLayout) -> dict[str, str]:
     published = _published_sizes(layout)
     unfinished = [
         shard_id for shard_id in sorted(committed_shard_ids(layout))
-        if any(layout.published(kind, shard_id) not in published for kind in PUBLISHED_KINDS)
+        if any(layout.published(kind, shard_id) not in published for kind in ALWAYS_PUBLISHED)
     ]
     outcome = {}
     for shard_id, manifest in _read_manifests(layout, unfinished).items():

@@ -6,7 +6,7 @@ because of its leading underscore) holds files not yet committed.
     {root}/manifests/{run_id}.{shard_id}.json      <- the commit point; lists the files below
     {root}/leases/{run_id}.{shard_id}.{n}.json     <- who generates the shard now (leases.py)
     {root}/_attempts/run_date=D/run_id=R/{shard_id}/{attempt}/{kind}.parquet
-    {root}/{data,errors,metrics}/run_date=D/run_id=R/{shard_id}.parquet
+    {root}/{data,errors,metrics,filtered}/run_date=D/run_id=R/{shard_id}.parquet
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from fsspec import AbstractFileSystem
 
 from schemas.run import RunConfig
 
-PUBLISHED_KINDS = ("data", "errors", "metrics")
+PUBLISHED_KINDS = ("data", "errors", "metrics", "filtered")
+# Every shard publishes these; filtered/ only under `filters:`. A manifest's files publish in
+# sorted order, metrics last, so an unpublished metrics file marks any publish cut short.
+ALWAYS_PUBLISHED = ("data", "errors", "metrics")
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,9 @@ class Shard:
     # sampling parameters they share as JSON (or INVALID: lines that are error rows); see
     # tasks/batch_requests.py
     group: str = ""
+    # a chain step (input.format run): the upstream run has samples > 1, so ids are
+    # parent_id#sample_index (tasks/chains.py)
+    sample_ids: bool = False
 
 
 @dataclass(frozen=True)
@@ -160,6 +163,9 @@ def check_paths(config: RunConfig) -> None:
     output_fs, output = filesystem(config.output, config.storage)
     if is_local(output_fs):
         _check_writable_directory(output)
+    from tasks.chains import check_fields
+
+    check_fields(config)  # an upstream run to read, and every field named exists
 
 
 def _check_writable_directory(path: str) -> None:
@@ -299,7 +305,10 @@ def _plan_parquet(fs, path, source, fingerprint, rows_per_shard) -> list[Shard]:
 def plan_shards(fs: AbstractFileSystem, config: RunConfig, input_path: str) -> list[Shard]:
     # Imported here: it reads lines with tasks.records, which imports this module.
     from tasks.batch_requests import plan_batch_file
+    from tasks.chains import is_chained, plan_upstream, upstream_root
 
+    if is_chained(config, fs):
+        return plan_upstream(fs, config, upstream_root(input_path))
     files, root = list_input_files(fs, input_path)
     shards: list[Shard] = []
     for path in files:

@@ -64,7 +64,8 @@ def render_records(
             bad.append(BadRecord(record.row, record.offset, record.record_id, str(error),
                                  truncate(record.prompt_text)))
             continue
-        rendered.append(replace(record, prompt=ids, prompt_text=text))
+        rendered.append(replace(record, prompt=ids, prompt_text=text,
+                                input_prompt=record.prompt_text))
     return rendered, bad
 
 

@@ -17,10 +17,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
+from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, FILTERED_SCHEMA, METRICS_SCHEMA
 from schemas.engine import ResponseFormat
 from schemas.pricing import device_cost
-from schemas.run import RunConfig
+from schemas.run import RUN_OUTPUT, RunConfig
 from tasks import leases
 from tasks.batch_requests import read_records, shard_sampling
 from tasks.commit import (
@@ -31,6 +31,7 @@ from tasks.commit import (
 )
 from tasks.engine_cache import leased_engine
 from tasks.failures import is_transient
+from tasks.filters import dropped_by, rule_json
 from tasks.layout import RunLayout
 from tasks.planning import Shard, check_unchanged
 from tasks.prompting import prompt_format, render_records
@@ -106,24 +107,49 @@ def _structured_records(
     return kept, bad
 
 
-def _tables(shard: Shard, records, completions, bad: list[BadRecord]):
+def _data_row(shard: Shard, record: Record, completion, parent_run_id: str | None) -> dict:
+    return {
+        "id": record.record_id,
+        "shard_id": shard.shard_id,
+        "prompt": record.prompt_text,
+        "completion": completion.text,
+        "finish_reason": completion.finish_reason,
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": len(completion.token_ids),
+        "proposed": completion.proposed,
+        "accepted": completion.accepted,
+        "seed": record.seed,
+        "sample_index": record.sample_index,
+        "token_logprobs": completion.token_logprobs,
+        "mean_logprob": _mean(completion.token_logprobs),
+        "input_offset": record.offset,
+        "input_prompt": record.input_prompt,
+        "parent_id": record.parent_id,
+        "parent_run_id": parent_run_id if record.parent_id is not None else None,
+    }
+
+
+def _filtered(
+    config: RunConfig, ok: list[tuple[Record, Completion]]
+) -> tuple[list[tuple[Record, Completion]], list[tuple[Record, Completion, str, str]]]:
+    """The records every `filters:` rule keeps, and the others with (reason, rule)."""
+    if not config.filters:
+        return ok, []
+    kept, dropped = [], []
+    for record, completion in ok:
+        found = dropped_by(config.filters, completion.text, record.fields)
+        if found is None:
+            kept.append((record, completion))
+        else:
+            rule, reason = found
+            dropped.append((record, completion, reason, rule_json(rule)))
+    return kept, dropped
+
+
+def _tables(shard: Shard, records, completions, bad: list[BadRecord],
+            parent_run_id: str | None = None):
     data = [
-        {
-            "id": record.record_id,
-            "shard_id": shard.shard_id,
-            "prompt": record.prompt_text,
-            "completion": completion.text,
-            "finish_reason": completion.finish_reason,
-            "prompt_tokens": completion.prompt_tokens,
-            "completion_tokens": len(completion.token_ids),
-            "proposed": completion.proposed,
-            "accepted": completion.accepted,
-            "seed": record.seed,
-            "sample_index": record.sample_index,
-            "token_logprobs": completion.token_logprobs,
-            "mean_logprob": _mean(completion.token_logprobs),
-            "input_offset": record.offset,
-        }
+        _data_row(shard, record, completion, parent_run_id)
         for record, completion in zip(records, completions, strict=True)
     ]
     errors = [
@@ -188,7 +214,9 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
     ]
     ok, unstructured = _structured_records(sampling.response_format, ok)
     bad += unstructured
-    data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad)
+    ok, dropped = _filtered(config, ok)
+    parent_run_id = config.input.run_id if config.input.format == RUN_OUTPUT else None
+    data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad, parent_run_id)
     metrics = {
         **_metrics_row(
             config, layout, shard, engine_stats,
@@ -201,11 +229,16 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         "partial_character_rows": sum(c.trimmed_partial_character for _, c in ok),
         "structured_rows": len(ok) if sampling.response_format else None,
         "structured_incomplete": sum(b.reason.startswith(INCOMPLETE) for b in unstructured),
+        "filtered_rows": len(dropped),
         "error_reasons": error_reason_counts(bad),
         **provenance(sampling, generation.samples_per_prompt, chat_template),
     }
     tables = {"data": data, "errors": errors,
               "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
+    if config.filters:
+        tables["filtered"] = pa.Table.from_pylist(
+            [{**_data_row(shard, r, c, parent_run_id), "reason": reason, "rule": rule}
+             for r, c, reason, rule in dropped], FILTERED_SCHEMA)
     summary = summary_of(metrics)
     check_unchanged(input_fs, [shard], layout.run_id)  # what was read is what was planned
     if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
