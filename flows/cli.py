@@ -46,13 +46,14 @@ def _fail(error: Exception | str, status: int = 2) -> typer.Exit:
     return typer.Exit(status)
 
 
-def _load(source: Path | dict[str, Any], overrides: list[str]) -> RunConfig:
+def _load(source: Path | dict[str, Any], overrides: list[str], pin: bool = True) -> RunConfig:
     """The config, a chain step's pinned to its upstream run; exit 2 saying what is wrong."""
     from tasks.chains import pin_upstream
     from tasks.planning import InputError
 
     try:
-        return pin_upstream(parse_run_config(source, overrides))
+        config = parse_run_config(source, overrides)
+        return pin_upstream(config) if pin else config
     except (ConfigError, InputError) as error:
         raise _fail(error) from None
 
@@ -99,17 +100,18 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
     """Print the shard plan (shards, estimated rows, buckets) and what is left to generate,
     without generating or writing."""
     from tasks.batch_requests import group_labels, plan_lines
-    from tasks.chains import check_fields
+    from tasks.chains import check_fields, pin_upstream
     from tasks.commit import committed_shard_ids
     from tasks.duplicates import with_duplicates
     from tasks.layout import run_layout
     from tasks.planning import InputError, plan_shards
     from tasks.storage import filesystem
 
-    run_config = _load(config, set_ or [])
+    run_config = _load(config, set_ or [], pin=False)
     input_fs, input_path = filesystem(run_config.input.uri, run_config.storage)
     try:
-        chain_lines = check_fields(run_config)
+        chain_lines = check_fields(run_config)  # says how the upstream run was chosen
+        run_config = pin_upstream(run_config)
         shards = with_duplicates(input_fs, plan_shards(input_fs, run_config, input_path),
                                  run_config.input)
     except InputError as error:

@@ -32,6 +32,8 @@ def _models_in(annotation) -> list[type[BaseModel]]:
 def _type_name(annotation) -> str:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "section"
+    if typing.get_origin(annotation) is typing.Annotated:  # a discriminated union
+        return _type_name(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) is typing.Literal:
         return " \\| ".join(json.dumps(value) for value in typing.get_args(annotation))
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:

@@ -234,7 +234,7 @@ class KeepFilter(StrictModel):
     the reason and this rule. `field` is a key of this run's structured record (the parsed
     completion), else a column or structured field of the upstream record (a chain step)."""
 
-    kind: Literal["keep"]
+    kind: Literal["keep"] = Field(description="keep: the records the comparison holds for")
     field: str = Field(description="a key of the parsed completion or an upstream column")
     op: FilterOp = Field(description="how the record's value compares with `value`")
     value: float | int | str | bool = Field(description="what the field is compared with")

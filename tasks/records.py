@@ -102,7 +102,7 @@ def raw_items(
     """(offset, raw text, parsed value or the parse error) for each record of the shard;
     a line with invalid UTF-8 yields InvalidUtf8 unless input.on_invalid_utf8 is replace."""
     replace_invalid = spec.on_invalid_utf8 == "replace"
-    if shard.format == "parquet":
+    if shard.format in ("parquet", "run"):  # run: another run's data (tasks/chains.py)
         with fs.open(shard.path, "rb") as file:
             table = pq.ParquetFile(file).read_row_groups(range(shard.start, shard.end))
         for index, row in enumerate(table.to_pylist()):
