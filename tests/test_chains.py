@@ -169,3 +169,21 @@ def test_the_judge_demo_config_parses():
     schema = config.generation.response_format.json_schema.schema_
     assert schema["properties"]["score"] == {"type": "integer", "minimum": 1, "maximum": 5}
     assert schema["properties"]["reason"]["maxLength"] == 100
+
+
+def test_a_plain_runs_filter_must_name_a_property_of_its_schema(tmp_path):
+    """Filters work without a chain too, on this run's structured record: a field outside
+    the schema is one line, exit 2, before anything is written."""
+    write_jsonl(tmp_path / "in.jsonl", good_rows(3))
+    config = run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "out"),
+                        {"target": {"path": "unused"}})
+    config["generation"]["response_format"] = {"type": "json_schema",
+                                               "json_schema": {"schema": GRADE}}
+    for field, status in (("score", 0), ("grade", 2)):
+        config["filters"] = [{**KEEP, "field": field}]
+        (tmp_path / "run.json").write_text(json.dumps(config))
+        result = runner.invoke(app, ["plan", str(tmp_path / "run.json")])
+        assert result.exit_code == status, result.output
+        assert "Traceback" not in result.output
+    assert "'grade' exists nowhere" in result.output
+    assert not (tmp_path / "out").exists()
