@@ -118,6 +118,8 @@ def print_summary(summary: dict[str, Any]) -> None:
                       "not scheduled; committed shards are kept.[/yellow]")
     console.print(
         f"Generated records: {summary['data']}\nError rows:        {summary['errors']}\n"
+        + (f"Filtered records:  {summary['filtered']} ({summary['filtered_rows']:,} dropped "
+           "by filters)\n" if summary.get("filtered") else "") +
         f"Metrics:           {summary['metrics']}\n"
         f"Cost report:       corpusgen report {summary['output']}",
         soft_wrap=True,

@@ -18,8 +18,14 @@ def summarize_run(
     layout: RunLayout, output: str, plan: Plan, unscheduled: int, failed: list[str]
 ) -> dict[str, Any]:
     metrics = read_published(layout, "metrics", METRICS_SCHEMA)
-    return run_summary(metrics, layout.run_id, layout.run_date, output, len(plan.shards),
-                       unscheduled, failed)
+    summary = run_summary(metrics, layout.run_id, layout.run_date, output, len(plan.shards),
+                          unscheduled, failed)
+    filtered = sum(metrics.column("filtered_rows").drop_null().to_pylist())
+    if filtered:  # records a `filters:` rule dropped
+        summary["filtered_rows"] = filtered
+        summary["filtered"] = (f"{output}/filtered/run_date={layout.run_date}/"
+                               f"run_id={layout.run_id}/")
+    return summary
 
 
 def publish_summary_artifacts(summary: dict[str, Any], usd_per_hour: float, device_type: str):

@@ -73,7 +73,7 @@ def test_generate_judge_keep_end_to_end_exactly_once(upstream, tiny_llama_dir):
     # Every upstream record is judged exactly once: kept, filtered or an error row.
     ids = [r["id"] for r in kept + dropped] + [e["id"] for e in errors]
     assert sorted(ids) == sorted(f"{r['id']}#{r['sample_index']}" for r in gen)
-    assert kept and summary["ok_rows"] == len(kept)
+    assert kept and dropped and summary["ok_rows"] == len(kept)
     by_id = {(r["id"], r["sample_index"]): r for r in gen}
     for record in kept + dropped:
         parent = by_id[(record["parent_id"], int(record["id"].rsplit("#", 1)[1]))]
@@ -89,6 +89,7 @@ def test_generate_judge_keep_end_to_end_exactly_once(upstream, tiny_llama_dir):
         assert json.loads(record["rule"]) == KEEP
     metrics = rows(root / "judge", "metrics")
     assert sum(m["filtered_rows"] for m in metrics) == len(dropped)
+    assert summary.get("filtered_rows", 0) == len(dropped)
 
     # A rerun commits nothing new; the same run id.
     again = generate_corpus(config)
@@ -109,10 +110,15 @@ def test_generate_judge_keep_end_to_end_exactly_once(upstream, tiny_llama_dir):
     assert {r["parent_run_id"] for r in new_rows} == {newer["run_id"]}
     assert {r["parent_id"] for r in new_rows} <= {f"rec-{i:05d}" for i in range(100, 103)}
 
-    # Pinned to the first upstream run again: the first step run, already complete.
-    pinned = generate_corpus({**config, "input": {**config["input"],
-                                                  "run_id": gen_summary["run_id"]}})
-    assert pinned["run_id"] == summary["run_id"]
+    # Pinned to the first upstream run again, from the CLI: the first step run, complete.
+    pinned = {**config, "input": {**config["input"], "run_id": gen_summary["run_id"]}}
+    (root / "judge.yaml").write_text(yaml.safe_dump(pinned))
+    result = runner.invoke(app, ["run", str(root / "judge.yaml")])
+    assert result.exit_code == 0, result.output
+    assert f"run {summary['run_id']}" in result.output
+    assert f"Filtered records:  {root / 'judge'}/filtered/" in result.output
+    assert len(rows(root / "judge", "filtered")) == len(dropped) + len(
+        [r for r in rows(root / "judge", "filtered") if r["run_id"] == third["run_id"]])
 
 
 def test_plan_names_the_upstream_run_and_bad_chain_input_is_one_line(
