@@ -221,7 +221,9 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         **_metrics_row(
             config, layout, shard, engine_stats,
             input_rows=input_rows, ok_rows=data.num_rows, error_rows=errors.num_rows,
-            generated=sum(len(c.token_ids) for _, c in ok),
+            # filtered records' tokens were generated (and paid for) too
+            generated=sum(len(c.token_ids) for _, c in ok) + sum(
+                len(c.token_ids) for _, c, _, _ in dropped),
             wall=held_seconds, load_seconds=lease.load_seconds, started_at=started_at,
         ),
         "empty_completions": blank_count([c.text for _, c in ok]),

@@ -90,6 +90,7 @@ def test_generate_judge_keep_end_to_end_exactly_once(upstream, tiny_llama_dir):
     metrics = rows(root / "judge", "metrics")
     assert sum(m["filtered_rows"] for m in metrics) == len(dropped)
     assert summary.get("filtered_rows", 0) == len(dropped)
+    assert summary["generated_tokens"] == sum(r["completion_tokens"] for r in kept + dropped)
 
     # A rerun commits nothing new; the same run id.
     again = generate_corpus(config)
