@@ -206,7 +206,8 @@ class DedupFilter(StrictModel):
         return self
 
 
-# One entry of `filters`, told apart by `kind`: a new kind of filter is one more model here.
+# One entry of `filters`, told apart by `kind`: a new kind of filter is one more model in this
+# union (DedupFilter | KeepFilter) and one more name in FILTER_KINDS.
 FilterSpec = Annotated[DedupFilter, Field(discriminator="kind")]
 FILTER_KINDS = ("dedup",)
 

@@ -32,8 +32,8 @@ from tasks.planning import Plan, Shard, write_plan
 ROOT = Path(__file__).resolve().parent.parent
 BASE = ("The river carries fine sand and small stones down from the hills every spring, and "
         "the town by the bridge counts the boats that pass under it")
-NEAR = BASE + " today"  # one more word: Jaccard of 3-word shingles 26/27
-FAR = BASE.replace("small", "tiny")  # one word changed mid-text: 23/29 = 0.79
+NEAR = BASE + " today"  # one word more: Jaccard of 3-word shingles 25/26
+FAR = BASE.replace("small", "tiny")  # one word changed mid-text: 22/28 = 0.79
 OTHER = "Bread rises because yeast eats the sugar in the dough and breathes out carbon dioxide"
 
 

@@ -14,6 +14,7 @@ from pipeline_fixtures import run_config, tiny_engine, write_jsonl
 from typer.testing import CliRunner
 
 from flows.cli import app
+from flows.console import console, print_summary
 from flows.generate import generate_corpus
 from tasks.dedup import normalise
 from tasks.filtering import read_log
@@ -73,6 +74,10 @@ def test_dedup_filters_a_run_once_and_the_next_run_against_it(tmp_path, tiny_lla
     assert (summary["kept_rows"], summary["filtered_rows"], summary["duplicate_rows"]) == (
         len(kept), len(filtered), len(filtered))
     assert summary["filtered"].endswith(f"filtered/run_date={summary['run_date']}/run_id={run1}/")
+    with console.capture() as printed:
+        print_summary(summary)
+    assert f"kept / filtered │ {len(kept)} / {len(filtered)} of 24" in printed.get()
+    assert "Kept records:" in printed.get() and "Filtered records:" in printed.get()
 
     again = generate_corpus(first)  # a rerun applies nothing twice
     layout = RunLayout.locate(fsspec.filesystem("file"), str(out), run1)
