@@ -5,6 +5,7 @@ a second run with scope output drops what the first kept; plan and report show t
 from __future__ import annotations
 
 import json
+import re
 
 import fsspec
 import pyarrow.dataset as ds
@@ -76,7 +77,8 @@ def test_dedup_filters_a_run_once_and_the_next_run_against_it(tmp_path, tiny_lla
     assert summary["filtered"].endswith(f"filtered/run_date={summary['run_date']}/run_id={run1}/")
     with console.capture() as printed:
         print_summary(summary)
-    assert f"kept / filtered │ {len(kept)} / {len(filtered)} of 24" in printed.get()
+    assert re.search(rf"kept / filtered +│ {len(kept)} / {len(filtered)} of 24 \(duplicates",
+                     printed.get())
     assert "Kept records:" in printed.get() and "Filtered records:" in printed.get()
 
     again = generate_corpus(first)  # a rerun applies nothing twice
