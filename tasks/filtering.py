@@ -198,15 +198,18 @@ def _stage(layout: RunLayout, plan: Plan, starts: np.ndarray, attempt_id: str,
     kind, published path (relative to the root), rows, bytes."""
     fs, attempt_dir = layout.fs, layout.filter_attempt_dir(attempt_id)
     shards = [shard.shard_id for shard in plan.shards]
+    orders = [np.argsort(drops.positions) for drops in decision.drops]  # to find a shard's
+    positions = [drops.positions[order] for drops, order in zip(decision.drops, orders,
+                                                                strict=True)]  # by bisection
 
     def write(i: int) -> list[dict]:
         with fs.open(layout.published("generated", shards[i]), "rb") as file:
             generated = pq.read_table(file, schema=DATA_SCHEMA)
         dropped, parts = np.zeros(generated.num_rows, bool), []
-        for drops in decision.drops:
-            by_position = np.argsort(drops.positions)
-            low, high = np.searchsorted(drops.positions[by_position], starts[i : i + 2])
-            mine = by_position[low:high]
+        for drops, ordered, sorted_positions in zip(decision.drops, orders, positions,
+                                                    strict=True):
+            low, high = np.searchsorted(sorted_positions, starts[i : i + 2])
+            mine = ordered[low:high]
             dropped[drops.positions[mine] - starts[i]] = True
             rows = generated.take(pa.array(drops.positions[mine] - starts[i]))
             parts.append(pa.table({
