@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import signal
 import unicodedata
 from concurrent.futures import ProcessPoolExecutor
 from functools import lru_cache, partial
@@ -106,6 +107,11 @@ def worker_count() -> int:
     return min(len(os.sched_getaffinity(0)), MAX_WORKERS)
 
 
+def _ignore_interrupts() -> None:
+    """Ctrl-C reaches the whole process group: the parent decides what stops, not a worker."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def keys_of(texts: list[str], method: str, threshold: float, workers: int) -> np.ndarray:
     """text_keys over chunks in `workers` processes (spawned: the caller may hold threads and
     an engine that must not be forked). The result does not depend on `workers`."""
@@ -113,7 +119,8 @@ def keys_of(texts: list[str], method: str, threshold: float, workers: int) -> np
     if workers <= 1 or len(texts) < 2 * CHUNK:
         return hashing(texts)
     chunks = [texts[i : i + CHUNK] for i in range(0, len(texts), CHUNK)]
-    with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+    with ProcessPoolExecutor(workers, mp_context=get_context("spawn"),
+                             initializer=_ignore_interrupts) as pool:
         return np.concatenate(list(pool.map(hashing, chunks)))
 
 
