@@ -35,6 +35,40 @@ DATA_SCHEMA = pa.schema(
     ]
 )
 
+# What a run's filters dropped (filtered/): the record as generated, then which rule dropped it,
+# why, and for a duplicate the record it duplicates (the one its cluster kept).
+FILTERED_SCHEMA = pa.schema(
+    [
+        *DATA_SCHEMA,
+        pa.field(
+            "filter_rule", pa.string(), nullable=False,
+            metadata={"doc": "the filters entry that dropped it, e.g. filters[0] dedup minhash "
+                             "threshold=0.85 scope=output"},
+        ),
+        pa.field(
+            "filter_reason", pa.string(), nullable=False,
+            metadata={"doc": "duplicate (exact) or near_duplicate (minhash)"},
+        ),
+        pa.field(
+            "duplicate_of_run_id", pa.string(),
+            metadata={"doc": "run of the kept record it duplicates (this run, or an earlier one)"},
+        ),
+        pa.field("duplicate_of_id", pa.string(), metadata={"doc": "id of that kept record"}),
+        pa.field("duplicate_of_sample_index", pa.int32(), metadata={"doc": "its sample_index"}),
+    ]
+)
+
+# One run's segment of a dedup index (scope output): a key row per key of each record it kept.
+DEDUP_INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("record", pa.int64(), nullable=False),  # canonical position among kept records
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("key_high", pa.uint64(), nullable=False),
+        pa.field("key_low", pa.uint64(), nullable=False),
+    ]
+)
+
 ERRORS_SCHEMA = pa.schema(
     [
         pa.field("shard_id", pa.string(), nullable=False),

@@ -13,7 +13,7 @@ from pathlib import Path
 from pydantic import BaseModel
 from pydantic_core import PydanticUndefined
 
-from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
+from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, FILTERED_SCHEMA, METRICS_SCHEMA
 from schemas.run import RunConfig
 
 CONFIG_START, CONFIG_END = "<!-- config-reference:start -->", "<!-- config-reference:end -->"
@@ -30,6 +30,8 @@ def _models_in(annotation) -> list[type[BaseModel]]:
 
 
 def _type_name(annotation) -> str:
+    if typing.get_origin(annotation) is typing.Annotated:  # a discriminated union of sections
+        return _type_name(typing.get_args(annotation)[0])
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "section"
     if typing.get_origin(annotation) is typing.Literal:
@@ -79,7 +81,9 @@ def metrics_reference() -> str:
              "Generated from `schemas/arrow.py` by `make docs`; a test fails when this file "
              "drifts from the schemas. Columns are only ever added at the end.",
              ""]
-    for title, schema in (("data/", DATA_SCHEMA), ("errors/", ERRORS_SCHEMA),
+    for title, schema in (("data/ (and generated/, in a run with filters)", DATA_SCHEMA),
+                          ("filtered/ (records a run's filters dropped)", FILTERED_SCHEMA),
+                          ("errors/", ERRORS_SCHEMA),
                           ("metrics/ (one row per committed shard)", METRICS_SCHEMA)):
         parts += [f"## {title}", "", "| column | type | meaning |", "|---|---|---|"]
         for field in schema:

@@ -15,11 +15,13 @@ from tasks.planning import Plan
 
 
 def summarize_run(
-    layout: RunLayout, output: str, plan: Plan, unscheduled: int, failed: list[str]
+    layout: RunLayout, output: str, plan: Plan, unscheduled: int, failed: list[str],
+    filtered: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`filtered`: the run's filter log entry, when its filters were applied."""
     metrics = read_published(layout, "metrics", METRICS_SCHEMA)
     return run_summary(metrics, layout.run_id, layout.run_date, output, len(plan.shards),
-                       unscheduled, failed)
+                       unscheduled, failed, filtered)
 
 
 def publish_summary_artifacts(summary: dict[str, Any], usd_per_hour: float, device_type: str):

@@ -30,7 +30,7 @@ from tasks.commit import (
     read_manifest,
 )
 from tasks.engine_cache import leased_engine
-from tasks.failures import is_transient
+from tasks.failures import is_io_error
 from tasks.layout import RunLayout
 from tasks.planning import Shard, check_unchanged
 from tasks.prompting import prompt_format, render_records
@@ -204,7 +204,8 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         "error_reasons": error_reason_counts(bad),
         **provenance(sampling, generation.samples_per_prompt, chat_template),
     }
-    tables = {"data": data, "errors": errors,
+    records_kind = "generated" if config.filters else "data"  # filters publish data/ later
+    tables = {records_kind: data, "errors": errors,
               "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
     summary = summary_of(metrics)
     check_unchanged(input_fs, [shard], layout.run_id)  # what was read is what was planned
@@ -270,15 +271,6 @@ def _metrics_row(
         "plain_seconds_estimate": plain_seconds,
         "plain_cost_estimate": plain_cost,
     }
-
-
-def is_io_error(task, task_run, state) -> bool:
-    """Retry storage hiccups, not bad data, a bad model path or engine bugs."""
-    try:
-        state.result()
-    except Exception as error:
-        return is_transient(error)
-    return False
 
 
 @task(
