@@ -124,7 +124,9 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
 ):
     """The real refusal, not a switch: under `qemu-x86_64 -cpu Haswell` oneDNN's prepacked
     bf16 kernel raises its AVX-512 error in the probe, and the same checks as above pass."""
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+    # this checkout first, not whatever the venv has installed (a worktree beside it)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+           "OMP_NUM_THREADS": "1"}
     env.pop(kernels.DISABLE_ENV, None)
     done = subprocess.run(
         [QEMU, "-cpu", "Haswell", sys.executable, str(TESTS / "portable_engine_check.py"),
