@@ -6,10 +6,11 @@ Q4_K are such groups of 32, so the target keeps the precision it ships in) or ar
 the nearest of 16 levels from float weights (min/max per group).
 
 The kernel wants bf16 activations and bf16 scales and zeros (its fp32 variant is a scalar
-loop), so the shipped fp32 scales are rounded to bf16 when packed: gguf_int4.py measures what
-that costs. Its packed layout depends on the CPU's vector width (64 columns per block with
-AVX-512, 32 with AVX2), so weights are packed at load and never stored packed: the cache holds
-the codes, two to a byte, and fp32 scales and zeros.
+loop), so the shipped fp32 scales are rounded to bf16 when packed (bench/int4.py measures
+what that moves: about what rounding the weights themselves to bf16 does). Its packed layout
+depends on the CPU's vector width (64 columns per block with AVX-512, 32 with AVX2), so
+weights are packed at load and never stored packed: the cache holds the codes, two to a byte,
+and fp32 scales and zeros.
 
 Each output row is a sum over the inputs in one fixed order, whatever the number of rows
 (they are tiled 4 at a time, each accumulated alone), so a [b, K + 1] verify reproduces the
@@ -39,9 +40,11 @@ log = logging.getLogger("corpusgen.int4")
 
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel takes
 GROUP_SIZE = 32  # a GGUF 4-bit block's size, and the finest (most accurate) group
-# A draft's calls wider than this run the bf16 copy: measured above, the kernel and packed
-# bf16 are even at 4-8 rows (a [8, 1] step), bf16 ahead beyond (catch-up windows, prefills).
-DRAFT_KERNEL_ROWS = 8
+# A draft's calls wider than this run the bf16 copy. Whole Qwen 1.5B forwards on the AVX-512
+# Xeon, int4 over packed bf16: 0.64x the time at [1, 1], 1.18x at [1, 5], 1.41x at [8, 1]
+# (bench/results/int4-avx512-2026-12-06.json).
+DRAFT_KERNEL_ROWS = 4
+DEQUANTIZED_ROWS = 256  # rows dequantized at a time: ~1 MB of fp32, which stays in cache
 
 
 @dataclass(frozen=True)
@@ -81,14 +84,23 @@ class Int4Weights:
         """The codes, one per weight: uint8 [out, in]."""
         return torch.stack([self.codes & 15, self.codes >> 4], dim=-1).flatten(1)
 
-    def dequantized(self, scale_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """float32 [out, in]: (q - 8) * scale + zero, the scales and zeros first rounded to
-        `scale_dtype` (bf16: the values the kernel multiplies)."""
-        out = self.codes.shape[0]
-        q = self.unpacked().float().reshape(out, self.scales.shape[1], self.group_size)
+    def dequantized(
+        self, scale_dtype: torch.dtype = torch.float32, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """[out, in] in `dtype`: (q - 8) * scale + zero in fp32, the scales and zeros first
+        rounded to `scale_dtype` (bf16: the values the kernel multiplies). Computed a few
+        rows at a time, which stay in cache: 3x faster than whole tensors at load."""
+        out, groups = self.scales.shape
         scales = self.scales.to(scale_dtype).float()[..., None]
         zeros = self.zeros.to(scale_dtype).float()[..., None]
-        return ((q - 8) * scales + zeros).reshape(out, -1)
+        weight = torch.empty(out, groups * self.group_size, dtype=dtype)
+        for first in range(0, out, DEQUANTIZED_ROWS):
+            rows = slice(first, first + DEQUANTIZED_ROWS)
+            codes = self.codes[rows]
+            q = torch.stack([codes & 15, codes >> 4], dim=-1).view(len(codes), groups, -1)
+            values = torch.addcmul(zeros[rows], q.float().sub_(8), scales[rows])
+            weight[rows] = values.view(len(codes), -1)
+        return weight
 
     @staticmethod
     def cat(parts: list[Int4Weights]) -> Int4Weights:
@@ -118,7 +130,7 @@ class Int4Linear(nn.Module):
         self.group_size, self.kernel_rows = weights.group_size, kernel_rows
         self.dense = nn.Linear(self.in_features, self.out_features, bias=linear.bias is not None,
                                device="meta")
-        self.dense.weight = nn.Parameter(weights.dequantized(torch.bfloat16).bfloat16(),
+        self.dense.weight = nn.Parameter(weights.dequantized(torch.bfloat16, torch.bfloat16),
                                          requires_grad=False)
         if linear.bias is not None:
             self.dense.bias = nn.Parameter(linear.bias.detach().bfloat16(), requires_grad=False)
@@ -166,7 +178,7 @@ def hf_parts(name: str, tied: bool) -> list[str]:
 
 
 def int4_weights_of(
-    model: CausalLM, shipped: dict[str, Int4Weights] | None, group_size: int = GROUP_SIZE
+    model: CausalLM, shipped: dict[str, Int4Weights] | None
 ) -> dict[str, Int4Weights]:
     """Our linears' 4-bit weights by module name: from `shipped` (a GGUF's 4-bit tensors by
     Hugging Face name), for the linears whose every part was shipped in 4 bits (the rest stay
@@ -176,7 +188,7 @@ def int4_weights_of(
     found: dict[str, Int4Weights] = {}
     for name in linear_names(model):
         if shipped is None:
-            found[name] = Int4Weights.from_float(modules[name].weight, group_size)
+            found[name] = Int4Weights.from_float(modules[name].weight)
             continue
         parts = hf_parts(name, tied)
         if all(part in shipped for part in parts):
@@ -194,14 +206,13 @@ def int4_linears(
     model: CausalLM, weights: dict[str, Int4Weights], device: torch.device,
     kernel_rows: int | None = None,
 ) -> CausalLM:
-    """Swap the named linears for 4-bit ones, in place, after the model's dtype cast.
+    """Swap the named linears for 4-bit ones, in place, after the model's dtype cast (a
+    tied embedding keeps its float weights: the LM head module is replaced, not its weight).
 
     Where the kernel cannot run (its probe failed, or not a CPU) a linear computes the very
     values the kernel would multiply (bf16 scales) in fp32: the 4-bit model's tokens at fp32
     speed and memory, as bf16 weights fall back on a CPU without oneDNN's bf16."""
     use_kernel = device.type == "cpu" and kernels.int4pack_mm().available
-    if model.config.tie_word_embeddings and "lm_head" in weights:  # the embedding stays float
-        model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())
     for name, int4 in weights.items():
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
