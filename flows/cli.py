@@ -103,6 +103,7 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
     from tasks.chains import check_fields, pin_upstream
     from tasks.commit import committed_shard_ids
     from tasks.duplicates import with_duplicates
+    from tasks.filtering import describe_filters
     from tasks.layout import run_layout
     from tasks.planning import InputError, plan_shards
     from tasks.storage import filesystem
@@ -117,7 +118,8 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
     except InputError as error:
         raise _fail(error) from None
     grid = run_config.generation.engine.bucket_grid
-    committed = committed_shard_ids(run_layout(run_config))
+    layout = run_layout(run_config)
+    committed = committed_shard_ids(layout)
     run_id = run_config.resolved_run_id()
     table = Table(title=f"run {run_id}: {len(shards)} shards")
     batch_file = run_config.input.format == OPENAI_BATCH
@@ -137,7 +139,7 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
         f"{grid.batch_sizes}, prompt {grid.prompt_lengths}, cache {grid.cache_lengths}, "
         f"draft K {grid.draft_lengths}; output: {run_config.output}"
     )
-    for line in chain_lines:  # the upstream run and the filters
+    for line in chain_lines:  # the upstream run
         console.print(line, soft_wrap=True, markup=False)
     duplicates = sum(len(shard.duplicates) for shard in shards)
     if batch_file:  # duplicates included
@@ -146,6 +148,8 @@ def plan(config: ConfigArg, set_: SetOption = None) -> None:
     elif duplicates:
         console.print(f"duplicate ids: {duplicates} later copies will be error rows "
                       "(duplicate_id), each naming where its id was first used")
+    for line in describe_filters(run_config, layout) if run_config.filters else ():
+        console.print(line, soft_wrap=True, markup=False)
     left = [shard for shard in shards if shard.shard_id not in committed]
     if not left:
         console.print(f"run {run_id} is complete: all {len(shards)} shards are committed; "

@@ -116,10 +116,11 @@ def print_summary(summary: dict[str, Any]) -> None:
     if summary["stopped_on_budget"]:
         console.print(f"[yellow]Stopped on budget: {summary['shards_not_scheduled']} shard(s) "
                       "not scheduled; committed shards are kept.[/yellow]")
+    records = (f"Kept records:      {summary['data']} ({summary['kept_rows']:,} kept)\n"
+               f"Filtered records:  {summary['filtered']} ({summary['filtered_rows']:,} dropped "
+               "by filters)" if "filtered" in summary else f"Generated records: {summary['data']}")
     console.print(
-        f"Generated records: {summary['data']}\nError rows:        {summary['errors']}\n"
-        + (f"Filtered records:  {summary['filtered']} ({summary['filtered_rows']:,} dropped "
-           "by filters)\n" if summary.get("filtered") else "") +
+        f"{records}\nError rows:        {summary['errors']}\n"
         f"Metrics:           {summary['metrics']}\n"
         f"Cost report:       corpusgen report {summary['output']}",
         soft_wrap=True,

@@ -22,6 +22,7 @@ from tasks.commit import finalize, recover
 from tasks.dispatch import RunProgress, dispatch_deployments, dispatch_local, shard_task
 from tasks.duplicates import with_duplicates
 from tasks.failures import RunFailed, run_failure_message, state_failure
+from tasks.filtering import filter_run
 from tasks.layout import run_layout
 from tasks.planning import Plan, check_unchanged, new_plan, plan_shards, write_plan
 from tasks.quality import enforce_quality
@@ -78,8 +79,9 @@ def stopped_message(layout, planned: int, committed: int) -> str:
 
 @flow(name="generate-corpus")
 def generate_corpus(config: ConfigSource) -> dict[str, Any] | State:
-    """Plan -> one task per shard (bounded by accelerator slots and the cost cap) -> summary.
-    A stop request (Ctrl-C in the CLI, a cancel from Prefect) ends it Cancelled."""
+    """Plan -> one task per shard (bounded by accelerator slots and the cost cap) -> the
+    run's filters, once all its shards are committed -> summary. A stop request (Ctrl-C in the
+    CLI, a cancel from Prefect) ends it Cancelled."""
     run = load_config(config)
     logger = get_run_logger()
     plan = plan_run(run)
@@ -109,7 +111,11 @@ def generate_corpus(config: ConfigSource) -> dict[str, Any] | State:
         return Cancelled(message=stopped_message(layout, len(plan.shards), progress.done))
     broken = finalize(layout)
     check_unchanged(filesystem(run.input.uri, run.storage)[0], plan.shards, layout.run_id)
-    summary = summarize_run(layout, run.output, plan, len(unscheduled), list(progress.failed))
+    complete = not (broken or progress.failed or unscheduled)  # filters judge the whole run
+    filtered = (filter_run.with_options(retries=run.shard_retries)(run, layout, plan)
+                if run.filters and complete else None)
+    summary = summarize_run(layout, run.output, plan, len(unscheduled), list(progress.failed),
+                            filtered)
     publish_summary_artifacts(summary, run.pricing.usd_per_hour(), run.pricing.device_type)
     if unscheduled:
         logger.warning("stopped on budget: %d shards not scheduled", len(unscheduled))

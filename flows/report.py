@@ -16,6 +16,7 @@ from reporting.dashboard import render_dashboard
 from reporting.metrics import (
     NoMetricsError,
     build_report,
+    has_filter_log,
     normalize_uri,
     open_committed_metrics,
     read_plans,
@@ -85,12 +86,12 @@ def report(
     ] = False,
 ) -> None:
     """Cost per 1M tokens, throughput and acceptance over the committed shards of OUTPUT_URI."""
-    if views:
-        typer.echo(views_sql(output_uri))
-        return
     try:
         options = _parse_storage_options(storage_option or [])
         fs, _ = filesystem(output_uri, StorageSpec(endpoint_url=endpoint_url), **options)
+        if views:
+            typer.echo(views_sql(output_uri, has_filter_log(fs, normalize_uri(output_uri))))
+            return
         con = open_committed_metrics(
             output_uri,
             fs,

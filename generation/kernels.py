@@ -34,7 +34,8 @@ DISABLE_ENV = "CORPUSGEN_DISABLE_KERNELS"
 ONEDNN_PACKED_BF16 = "onednn-packed-bf16"  # private op, prepacked once: measured faster
 FBGEMM_INT8 = "fbgemm-int8"  # dynamic W8A8 linears of int8 drafts
 INT_MM = "int-mm"  # exact int8 x int8 -> int32 GEMM of int8 targets
-FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, INT_MM)
+INT4PACK_MM = "int4pack-mm"  # 4-bit group-wise weights x bf16 rows, each row alone
+FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, INT_MM, INT4PACK_MM)
 
 
 class KernelUnavailable(RuntimeError):
@@ -169,6 +170,31 @@ def int_mm() -> Probe:
         return torch.equal(torch._int_mm(a, b), a.int() @ b.int())
 
     return _reported(INT_MM, _tried(INT_MM, attempt))
+
+
+@_probe
+def int4pack_mm() -> Probe:
+    """torch's int4 weight-only CPU kernel (aten._weight_int4pack_mm_for_cpu): its result
+    matches the dequantized weights', and a row computed alone equals the same row computed
+    among others (what an int4 target's exactness rests on)."""
+
+    def attempt() -> bool:
+        generator = torch.Generator().manual_seed(0)
+        codes = torch.randint(0, 16, (16, 64), generator=generator, dtype=torch.int32)
+        scales = torch.rand(2, 16, generator=generator) / 10 + 0.01  # [in / 32, out]
+        zeros = torch.randn(2, 16, generator=generator) / 10
+        scales_and_zeros = torch.stack([scales, zeros], dim=-1).bfloat16()
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
+        x = torch.randn(5, 64, generator=generator).bfloat16()
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
+        alone = torch.ops.aten._weight_int4pack_mm_for_cpu(x[4:], packed, 32, scales_and_zeros)
+        per_input = scales_and_zeros.float().repeat_interleave(32, dim=0)  # [in, out, 2]
+        weight = (codes.t() - 8) * per_input[..., 0] + per_input[..., 1]  # [in, out]
+        reference = x.float() @ weight
+        close = torch.allclose(out.float(), reference, atol=0.02 * float(reference.abs().max()))
+        return close and torch.equal(alone, out[4:])
+
+    return _reported(INT4PACK_MM, _tried(INT4PACK_MM, attempt))
 
 
 def require(probe: Probe, what: str, instead: str) -> None:

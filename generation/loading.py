@@ -7,16 +7,21 @@ CORPUSGEN_CACHE keyed by the file's content hash, so later loads take about a se
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import hashlib
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from generation import gguf_int4
 from generation.device import resolve_device
+from generation.int4 import int4_draft, int4_linears, int4_weights_of
 from generation.model import CausalLM, DecoderConfig
 from generation.proposers import ModelProposer, NoProposer, PromptLookupProposer
 from generation.quantize import ExactInt8Linear, int8_weights, quantized_copy
@@ -88,12 +93,19 @@ def packaged_model_dir(name: str) -> Path:
     target = cache_root() / "gguf" / model.sha256
     if (target / "config.json").is_file():
         return target  # converted before: no need to join or hash the parts again
+    with _joined_parts(name, model) as joined:
+        return _cached_gguf_dir(joined, digest=model.sha256)
+
+
+@contextlib.contextmanager
+def _joined_parts(name: str, model: PackagedModel) -> Iterator[Path]:
+    """A packaged model's parts joined into one checked GGUF, deleted after use."""
     parts = [next((_package_dir(name, package, model.install) / "data").glob("part*.bin"))
              for package in model.packages]
     joined = cache_root() / "gguf-parts" / f"{name}.{os.getpid()}.gguf"
     try:
         _join_checked(parts, joined, model)
-        return _cached_gguf_dir(joined, digest=model.sha256)
+        yield joined
     finally:
         joined.unlink(missing_ok=True)
 
@@ -150,6 +162,23 @@ def _single_gguf(spec: ModelSpec) -> Path | None:
         return _package_dir(spec.path, model.packages[0], model.install) / model.filename
     path = Path(spec.path).expanduser()
     return path if path.suffix == ".gguf" and path.is_file() else None
+
+
+def shipped_int4(spec: ModelSpec, directory: Path, converted: dict) -> dict | None:
+    """A GGUF model's 4-bit tensors by Hugging Face name (read from its blocks on first use,
+    then from the cache beside its converted weights); None for a float checkpoint."""
+    single = _single_gguf(spec)
+    if single is None and not spec.path.startswith(PACKAGED_PREFIX):
+        return None
+    cache = directory / gguf_int4.CACHE_FILE
+    if not cache.is_file():
+        if single is not None:
+            gguf_int4.write_cache(single, converted, cache)
+        else:
+            name = spec.path[len(PACKAGED_PREFIX) :]
+            with _joined_parts(name, PACKAGED_MODELS[name]) as joined:
+                gguf_int4.write_cache(joined, converted, cache)
+    return gguf_int4.read_cache(cache)
 
 
 def load_spec_tokenizer(spec: ModelSpec):
@@ -271,10 +300,16 @@ def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> Loa
     directory = resolve_model_dir(spec)
     config = read_config(directory)
     model = CausalLM(DecoderConfig.from_hf(config), max_positions)
-    model.load_hf_weights(load_state_dict(directory))
+    state = load_state_dict(directory)
+    model.load_hf_weights(state)
+    if spec.quantize == "int4":  # from the fp32 weights, before the cast
+        int4 = int4_weights_of(model, shipped_int4(spec, directory, state))
+    del state
     model = model.to_dtype(DTYPES[spec.dtype]).to(device).eval()
     if spec.quantize == "int8":
         model = int8_weights(model, ExactInt8Linear)
+    elif spec.quantize == "int4":
+        model = int4_linears(model, int4, device)
     tokenizer = load_tokenizer(directory)
     eos = eos_token_ids(directory, config) | {tokenizer.eos_token_id} - {None}
     return LoadedModel(model, tokenizer, directory, weights_sha256(directory), frozenset(eos))
@@ -318,9 +353,14 @@ def assemble(config: EngineConfig):
         model, dtype = draft.model, DTYPES[spec.model.dtype]
         if spec.dtype == "int8":
             model = int8_weights(model)
+        elif spec.dtype == "int4":
+            model, dtype = int4_draft(model, device), torch.bfloat16
     else:
         weights = spec.dtype or "int8"
-        model = quantized_copy(target.model, weights)
+        if weights == "int4":
+            model = int4_draft(copy.deepcopy(target.model), device)
+        else:
+            model = quantized_copy(target.model, weights)
         dtype = DTYPES[config.target.dtype] if weights == "int8" else torch.bfloat16
     compile_draft = config.compile if spec.compile is None else spec.compile
     runner = ModelRunner(model, grid, device, dtype, compile_draft, config.hpu_graphs,

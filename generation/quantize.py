@@ -105,12 +105,17 @@ _PREFILLING = contextvars.ContextVar("prefilling", default=False)
 
 @contextlib.contextmanager
 def prefilling():
-    """Marks a prefill forward: exact int8 linears run the dense product there (see below)."""
+    """Marks a prefill forward: exact int8 and int4 linears run the dense product there
+    (see below, and int4.py)."""
     token = _PREFILLING.set(True)
     try:
         yield
     finally:
         _PREFILLING.reset(token)
+
+
+def in_prefill() -> bool:
+    return _PREFILLING.get()
 
 
 class ExactInt8Linear(nn.Module):
@@ -141,7 +146,7 @@ class ExactInt8Linear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.detach().float())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _PREFILLING.get():
+        if in_prefill():
             weight = self.weight_t.t().to(x.dtype) * self.scales[:, None].to(x.dtype)
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, weight, bias)

@@ -38,10 +38,17 @@ def normalize_uri(output_uri: str) -> str:
     return str(Path(output_uri).expanduser().resolve())
 
 
-def views_sql(output_uri: str) -> str:
-    """The view definitions with the output location filled in (ready for a BI tool)."""
+def views_sql(output_uri: str, with_filters: bool = False) -> str:
+    """The view definitions with the output location filled in (ready for a BI tool); the
+    filters section only `with_filters` (DuckDB fails reading a filter log that is not there)."""
     quoted = normalize_uri(output_uri).replace("'", "''")
-    return VIEWS_PATH.read_text().replace("{output_uri}", quoted)
+    sql = VIEWS_PATH.read_text().replace("{output_uri}", quoted)
+    return sql if with_filters else sql.replace(_section(sql, "filters"), "")
+
+
+def has_filter_log(fs: AbstractFileSystem, root: str) -> bool:
+    """Whether a run's filters were applied in this output (filtering.py's log)."""
+    return bool(fs.glob(f"{root}/filter_log/*.json"))
 
 
 def _section(sql: str, name: str) -> str:
@@ -93,6 +100,8 @@ def open_committed_metrics(
     if "://" in root:
         con.register_filesystem(fs)
     con.execute(_section(views_sql(root), "source"))
+    if has_filter_log(fs, root):
+        con.execute(_section(views_sql(root, with_filters=True), "filters"))
     _narrow_metrics(con, run_ids, since)
     _define_derived_views(con, overrides)
     return con

@@ -10,6 +10,8 @@ import pyarrow as pa
 from reporting.metrics import summarize_metrics
 
 COUNT_FIELDS = ("ok_rows", "error_rows", "empty_completions", "prompt_tokens", "generated_tokens")
+# From the run's filter log entry; None for a run without filters.
+FILTER_FIELDS = ("kept_rows", "filtered_rows", "duplicate_rows")
 # None when undefined (no tokens, nothing proposed): an honest blank, not a zero.
 FIGURE_FIELDS = (
     "acceptance_rate", "mean_accepted_length", "tokens_per_second", "wall_seconds",
@@ -20,9 +22,10 @@ FIGURE_FIELDS = (
 
 def run_summary(
     metrics: pa.Table, run_id: str, run_date: str, output: str, shards_planned: int,
-    unscheduled: int, failed: list[str],
+    unscheduled: int, failed: list[str], filtered: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """A run's closing numbers from its committed metrics rows, by the report's own views."""
+    """A run's closing numbers from its committed metrics rows, by the report's own views, and
+    from its filter log entry (`filtered`) when its filters were applied."""
     report = summarize_metrics(metrics) if metrics.num_rows else {"total": {}, "error_reasons": []}
     totals = report["total"]
     return {
@@ -40,8 +43,9 @@ def run_summary(
             {"reason": r["reason"], "rows": r["rows"]}
             for r in report["error_reasons"] if r["level"] == "total"
         ],
+        **{field: (filtered or {}).get(field) for field in FILTER_FIELDS},
         **{kind: f"{output}/{kind}/run_date={run_date}/run_id={run_id}/"
-           for kind in ("data", "errors", "metrics")},
+           for kind in ("data", "errors", "metrics", *(("filtered",) if filtered else ()))},
     }
 
 
@@ -62,6 +66,7 @@ def summary_figures(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("rows ok / error", f"{summary['ok_rows']:,} / {summary['error_rows']:,} of {rows:,}"),
         ("error reasons", reasons),
         ("empty completions", f"{summary['empty_completions']:,}"),
+        *([("kept / filtered", kept_line(summary))] if summary["kept_rows"] is not None else []),
         ("generated tokens", f"{summary['generated_tokens']:,}"),
         ("tokens per second", _number(summary["tokens_per_second"], 1)),
         ("acceptance rate", _number(summary["acceptance_rate"])),
@@ -73,6 +78,14 @@ def summary_figures(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("total cost", _usd(summary["total_cost"])),
         ("total cost per 1M tokens", _usd(summary["total_cost_per_1m_tokens"], 4)),
     ]
+
+
+def kept_line(rows: dict[str, Any]) -> str:
+    """`9,000 / 1,000 of 10,000 (duplicates 10.0%)`: a run's filter outcome."""
+    total = rows["kept_rows"] + rows["filtered_rows"]
+    rate = rows["duplicate_rows"] / total if total else 0.0
+    return (f"{rows['kept_rows']:,} / {rows['filtered_rows']:,} of {total:,} "
+            f"(duplicates {rate:.1%})")
 
 
 def cost_report_markdown(summary: dict[str, Any], usd_per_hour: float, device_type: str) -> str:

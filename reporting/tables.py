@@ -104,6 +104,12 @@ SHARD_COLUMNS: list[Column] = [
     ("acceptance_rate", "acceptance", rate), *SAVINGS_COLUMNS,
     ("error_rows", "error rows", count),
 ]  # fmt: skip
+FILTER_COLUMNS: list[Column] = [
+    ("run_id", "run", text), ("run_date", "date", text), ("ok_rows", "generated", count),
+    ("kept_rows", "kept", count), ("filtered_rows", "filtered", count),
+    ("duplicate_rows", "duplicates", count), ("kept_rate", "kept %", rate),
+    ("filtered_rate", "filtered %", rate), ("duplicate_rate", "duplicate %", rate),
+]  # fmt: skip
 ERROR_REASON_COLUMNS: list[Column] = [
     ("run_id", "run", text), ("reason", "reason", text), ("rows", "rows", count),
 ]
@@ -201,6 +207,9 @@ def print_report(report: dict[str, Any]) -> None:
     console.print(_rich_table("Runs", report["runs"], RUN_COLUMNS))
     if report["regressions"]:
         console.print(_rich_table("Regressions", report["regressions"], REGRESSION_COLUMNS))
+    filtered = [run for run in report["runs"] if run["kept_rows"] is not None]
+    if filtered:
+        console.print(_rich_table("Filters (of generated records)", filtered, FILTER_COLUMNS))
     console.print(_rich_table("Model pairs", report["model_pairs"], MODEL_PAIR_COLUMNS))
     if report["position_acceptance"]:
         console.print(_position_table(report["position_acceptance"]))

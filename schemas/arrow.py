@@ -42,15 +42,40 @@ DATA_SCHEMA = pa.schema(
     ]
 )
 
-# A record a `filters:` rule dropped: its data columns, and which rule dropped it and why
-# (append the data columns to data/ to recover it).
+# What a run's filters dropped (filtered/): the record as generated, then which rule dropped it,
+# why, and for a duplicate the record it duplicates (the one its cluster kept).
 FILTERED_SCHEMA = pa.schema(
-    [DATA_SCHEMA.field("shard_id"), DATA_SCHEMA.field("id"),
-     pa.field("reason", pa.string(), nullable=False,
-              metadata={"doc": "why the rule dropped it: the value it saw"}),
-     pa.field("rule", pa.string(), nullable=False,
-              metadata={"doc": "the rule as configured (JSON)"}),
-     *[field for field in DATA_SCHEMA if field.name not in ("id", "shard_id")]]
+    [
+        *DATA_SCHEMA,
+        pa.field(
+            "filter_rule", pa.string(), nullable=False,
+            metadata={"doc": "the filters entry that dropped it, as JSON, e.g. {\"field\": "
+                             "\"score\", \"kind\": \"keep\", \"op\": \">=\", \"value\": 3}"},
+        ),
+        pa.field(
+            "filter_reason", pa.string(), nullable=False,
+            metadata={"doc": "dedup: duplicate (exact) or near_duplicate (minhash); keep: the "
+                             "value it saw, e.g. score is 2, not >= 3"},
+        ),
+        pa.field(
+            "duplicate_of_run_id", pa.string(),
+            metadata={"doc": "dedup: run of the kept record it duplicates (this run or an "
+                             "earlier one); null for keep"},
+        ),
+        pa.field("duplicate_of_id", pa.string(), metadata={"doc": "id of that kept record"}),
+        pa.field("duplicate_of_sample_index", pa.int32(), metadata={"doc": "its sample_index"}),
+    ]
+)
+
+# One run's segment of a dedup index (scope output): a key row per key of each record it kept.
+DEDUP_INDEX_SCHEMA = pa.schema(
+    [
+        pa.field("record", pa.int64(), nullable=False),  # canonical position among kept records
+        pa.field("id", pa.string(), nullable=False),
+        pa.field("sample_index", pa.int32(), nullable=False),
+        pa.field("key_high", pa.uint64(), nullable=False),
+        pa.field("key_low", pa.uint64(), nullable=False),
+    ]
 )
 
 ERRORS_SCHEMA = pa.schema(
@@ -197,11 +222,6 @@ METRICS_SCHEMA = pa.schema(
             "structured_incomplete",
             pa.int64(),
             metadata={"doc": "error rows cut before their structured value closed"},
-        ),
-        pa.field(
-            "filtered_rows",
-            pa.int64(),
-            metadata={"doc": "generated records a `filters:` rule dropped to filtered/"},
         ),
     ]
 )

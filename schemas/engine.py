@@ -41,16 +41,28 @@ class ModelSpec(StrictModel):
         f"({', '.join(PACKAGED_MODELS)})"
     )
     dtype: DType = Field("float32", description="weights and activations")
-    quantize: Literal["int8"] | None = Field(
+    quantize: Literal["int8", "int4"] | None = Field(
         None,
         description="int8: linears as int8 weights x per-row int8 activations, an exact integer "
-        "GEMM, so results stay batch-invariant (fit for a target); dtype is the rest's",
+        "GEMM, so results stay batch-invariant (fit for a target); dtype is the rest's. int4: "
+        "4-bit weights (groups of 32) with bf16 activations (needs dtype bfloat16), each row "
+        "computed alone, batch-invariant too; a GGUF keeps its own 4-bit blocks (Q4_0, Q4_1, "
+        "Q4_K) and its other linears in bf16, a float checkpoint is rounded to 4 bits",
     )
 
     @property
     def name(self) -> str:
-        """The path, marked `#int8` when quantized: what metrics call this model."""
-        return self.path + ("#int8" if self.quantize else "")
+        """The path, marked `#int8` / `#int4` when quantized: what metrics call this model."""
+        return self.path + (f"#{self.quantize}" if self.quantize else "")
+
+    @model_validator(mode="after")
+    def _int4_computes_in_bf16(self) -> ModelSpec:
+        if self.quantize == "int4" and self.dtype != "bfloat16":
+            raise ValueError(
+                f"quantize: int4 multiplies bf16 activations (torch's int4 CPU kernel), not "
+                f"{self.dtype}; set dtype: bfloat16 beside it"
+            )
+        return self
 
     @field_validator("path")
     @classmethod
@@ -75,10 +87,11 @@ class DraftSpec(StrictModel):
         "target at lower precision; prompt_lookup: copies n-grams of the prompt and text"
     )
     model: ModelSpec | None = Field(None, description="kind=model: the draft model")
-    dtype: Literal["int8", "bfloat16"] | None = Field(
+    dtype: Literal["int8", "int4", "bfloat16"] | None = Field(
         None,
-        description="int8: W8A8 dynamic on x86. kind=quantized: int8 (the default) or "
-        "bfloat16; kind=model: int8, or None for draft.model.dtype as loaded",
+        description="int8: W8A8 dynamic on x86; int4: 4-bit weights (groups of 32), bf16 "
+        "activations. kind=quantized: int8 (the default), int4 or bfloat16; kind=model: int8, "
+        "int4, or None for draft.model.dtype as loaded",
     )
     compile: bool | None = Field(
         None,
@@ -190,12 +203,12 @@ class EngineConfig(StrictModel):
     )
 
     def draft_model_name(self) -> str | None:
-        """The metrics' draft_model: its path (`path#int8` quantized), `target#kind` for a
-        target-derived draft, None."""
+        """The metrics' draft_model: its path (`path#int8` / `path#int4` quantized),
+        `target#kind` for a target-derived draft, None."""
         if self.draft is None:
             return None
         if self.draft.kind == "model":
-            return self.draft.model.name + ("#int8" if self.draft.dtype == "int8" else "")
+            return self.draft.model.name + (f"#{self.draft.dtype}" if self.draft.dtype else "")
         return f"{self.target.name}#{self.draft.kind}"
 
     @model_validator(mode="after")
@@ -205,6 +218,18 @@ class EngineConfig(StrictModel):
             raise ValueError(
                 f"num_draft_tokens={k} is not on bucket_grid.draft_lengths "
                 f"{self.bucket_grid.draft_lengths}; use one of those or 'auto'"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _quantized_draft_of_a_float_target(self) -> EngineConfig:
+        """A quantized draft re-rounds the target's float linears; a target already int8 or
+        int4 has none left (its copy would be the target itself)."""
+        if self.draft is not None and self.draft.kind == "quantized" and self.target.quantize:
+            raise ValueError(
+                f"draft.kind: quantized copies a float target at lower precision, but the "
+                f"target is already {self.target.quantize}; use draft.kind: model or "
+                "prompt_lookup"
             )
         return self
 

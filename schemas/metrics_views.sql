@@ -18,6 +18,14 @@ WHERE m.filename IN (SELECT '{output_uri}/' || metrics_file FROM committed_manif
 -- What the derived views read; a report narrows it to the runs/dates asked for.
 CREATE OR REPLACE VIEW metrics AS SELECT * FROM committed_metrics;
 
+-- @section filters
+-- What each run's filters kept and dropped, from the output's filter log (one entry per run whose
+-- filters were applied; a report over an output without one gets an empty table instead).
+CREATE OR REPLACE TABLE filter_stats AS
+SELECT * FROM read_json('{output_uri}/filter_log/*.json', columns = {
+    run_id: 'VARCHAR', input_rows: 'BIGINT', kept_rows: 'BIGINT', filtered_rows: 'BIGINT',
+    duplicate_rows: 'BIGINT'});
+
 -- @section derived
 -- The one cost formula, schemas/pricing.py's device_cost (a test pins the two together).
 CREATE OR REPLACE MACRO device_cost(seconds, devices, usd_per_hour) AS
@@ -25,6 +33,11 @@ CREATE OR REPLACE MACRO device_cost(seconds, devices, usd_per_hour) AS
 
 -- Report-time prices ($ per device-hour) that replace the price recorded at run time.
 CREATE TABLE IF NOT EXISTS price_overrides (device_type VARCHAR PRIMARY KEY, usd_per_hour DOUBLE NOT NULL);
+
+-- Empty unless the filters section read a filter log.
+CREATE TABLE IF NOT EXISTS filter_stats (
+    run_id VARCHAR, input_rows BIGINT, kept_rows BIGINT, filtered_rows BIGINT,
+    duplicate_rows BIGINT);
 
 -- One row per committed shard, with cost recomputed at the report's prices.
 CREATE OR REPLACE VIEW shard_costs AS
@@ -94,9 +107,15 @@ SELECT CASE WHEN grouping(run_id) = 0 THEN 'run'
 FROM shard_costs
 GROUP BY GROUPING SETS ((run_id), (target_model, draft_model, draft_kind, device_type), ());
 
+-- Per run, with its filters' outcome: rates are of the generated records the filters judged.
 CREATE OR REPLACE VIEW run_summary AS
-SELECT * EXCLUDE (level, target_model, draft_model, draft_kind, device_type)
-FROM cost_rollup WHERE level = 'run' ORDER BY started_at, run_id;
+SELECT r.* EXCLUDE (level, target_model, draft_model, draft_kind, device_type),
+       f.kept_rows, f.filtered_rows, f.duplicate_rows,
+       f.kept_rows / nullif(f.input_rows, 0) AS kept_rate,
+       f.filtered_rows / nullif(f.input_rows, 0) AS filtered_rate,
+       f.duplicate_rows / nullif(f.input_rows, 0) AS duplicate_rate
+FROM cost_rollup AS r LEFT JOIN filter_stats AS f ON f.run_id = r.run_id
+WHERE r.level = 'run' ORDER BY r.started_at, r.run_id;
 
 CREATE OR REPLACE VIEW model_pair_summary AS
 SELECT * EXCLUDE (level, run_id, device_types, draft_kinds, model_pairs)

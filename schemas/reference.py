@@ -30,14 +30,14 @@ def _models_in(annotation) -> list[type[BaseModel]]:
 
 
 def _type_name(annotation) -> str:
+    if typing.get_origin(annotation) is typing.Annotated:  # a discriminated union of sections
+        return _type_name(typing.get_args(annotation)[0])
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return "section"
-    if typing.get_origin(annotation) is typing.Annotated:  # a discriminated union
-        return _type_name(typing.get_args(annotation)[0])
     if typing.get_origin(annotation) is typing.Literal:
         return " \\| ".join(json.dumps(value) for value in typing.get_args(annotation))
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return " \\| ".join(_type_name(arg) for arg in typing.get_args(annotation))
+        return " \\| ".join(dict.fromkeys(_type_name(arg) for arg in typing.get_args(annotation)))
     if typing.get_origin(annotation) is list:
         return f"list[{', '.join(_type_name(a) for a in typing.get_args(annotation))}]"
     return getattr(annotation, "__name__", str(annotation)).replace("NoneType", "null")
@@ -55,6 +55,8 @@ def _default(field) -> str:
 def _rows(model: type[BaseModel], prefix: str) -> list[str]:
     rows, nested = [], []
     for name, field in model.model_fields.items():
+        if name == "kind" and prefix.endswith("]."):  # the path names it: filters[kind=keep].
+            continue
         path = f"{prefix}{name}"
         doc = field.description or next(
             (sub.__doc__.strip().split("\n\n")[0] for sub in _models_in(field.annotation)
@@ -62,7 +64,10 @@ def _rows(model: type[BaseModel], prefix: str) -> list[str]:
         )
         doc = " ".join(doc.split())
         rows.append(f"| `{path}` | {_type_name(field.annotation)} | {_default(field)} | {doc} |")
-        nested += [(path, sub) for sub in _models_in(field.annotation)]
+        subs = _models_in(field.annotation)
+        nested += [(path if len(subs) == 1 else  # one of several kinds: say which
+                    f"{path}[kind={sub.model_fields['kind'].annotation.__args__[0]}]", sub)
+                   for sub in subs]
     for path, sub in nested:
         rows += _rows(sub, f"{path}.")
     return rows
@@ -81,11 +86,16 @@ def metrics_reference() -> str:
              "Generated from `schemas/arrow.py` by `make docs`; a test fails when this file "
              "drifts from the schemas. Columns are only ever added at the end.",
              ""]
-    for title, schema in (("data/", DATA_SCHEMA), ("errors/", ERRORS_SCHEMA),
-                          ("filtered/ (records a `filters:` rule dropped)", FILTERED_SCHEMA),
+    for title, schema in (("data/ (and generated/, in a run with filters)", DATA_SCHEMA),
+                          ("filtered/ (records a run's filters dropped)", FILTERED_SCHEMA),
+                          ("errors/", ERRORS_SCHEMA),
                           ("metrics/ (one row per committed shard)", METRICS_SCHEMA)):
         parts += [f"## {title}", "", "| column | type | meaning |", "|---|---|---|"]
+        if schema is FILTERED_SCHEMA:  # data/'s columns, then its own: each column listed once
+            parts.append("| every data/ column | | the record as generated |")
         for field in schema:
+            if schema is FILTERED_SCHEMA and field.name in DATA_SCHEMA.names:
+                continue
             doc = (field.metadata or {}).get(b"doc", b"").decode()
             parts.append(f"| `{field.name}` | {field.type} | {doc} |")
         parts.append("")

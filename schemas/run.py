@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from schemas.engine import EngineConfig, ResponseFormat, SamplingParams, StrictModel
 from schemas.pricing import UnknownDeviceError, load_prices, price_for
@@ -230,9 +230,10 @@ FilterOp = Literal[">=", ">", "<=", "<", "==", "!="]
 
 
 class KeepFilter(StrictModel):
-    """Keep a record when `field op value` holds; any other record goes to `filtered/` with
-    the reason and this rule. `field` is a key of this run's structured record (the parsed
-    completion), else a column or structured field of the upstream record (a chain step)."""
+    """Keep a record when `field op value` holds; the run's filter step sends any other record
+    to `filtered/` with the reason and this rule. `field` is a key of this run's structured
+    record (the parsed completion), else a column or structured field of the upstream record
+    (a chain step)."""
 
     kind: Literal["keep"] = Field(description="keep: the records the comparison holds for")
     field: str = Field(description="a key of the parsed completion or an upstream column")
@@ -243,8 +244,43 @@ class KeepFilter(StrictModel):
         return f"keep {self.field} {self.op} {json.dumps(self.value)}"
 
 
-# Discriminated on `kind`: other kinds (dedup, ...) join this union.
-Filter = Annotated[KeepFilter, Field(discriminator="kind")]
+class DedupFilter(StrictModel):
+    """Drop records whose completion duplicates another's, keeping one record of each cluster.
+
+    Completions are compared normalised (NFKC, case-folded, punctuation dropped, whitespace
+    collapsed). `exact` drops identical normalised text; `minhash` also drops near-duplicates:
+    Jaccard similarity of their 3-word shingle sets at about `threshold` or more (MinHash LSH),
+    clustered transitively. Each cluster keeps its smallest (id, sample_index), or the record an
+    earlier run already kept (scope output)."""
+
+    kind: Literal["dedup"] = Field(description="which filter; dedup: drop duplicate completions")
+    method: Literal["exact", "minhash"] = Field(
+        "minhash", description="exact: identical normalised text; minhash: near-duplicates too"
+    )
+    threshold: float = Field(
+        0.85, ge=0.5, le=0.95, description="minhash: the similarity (Jaccard of the two "
+        "completions' 3-word shingle sets) from which they are duplicates; LSH catches pairs "
+        "above it with high probability",
+    )
+    scope: Literal["run", "output"] = Field(
+        "run", description="run: duplicates within this run; output: also against the records "
+        "earlier runs with this rule kept in this output (an index beside it)",
+    )
+
+    @model_validator(mode="after")
+    def _threshold_is_minhash_only(self) -> DedupFilter:
+        if self.method == "exact" and "threshold" in self.model_fields_set:
+            raise ValueError(
+                "threshold applies to method minhash only (exact drops identical normalised "
+                "text); remove it or set method: minhash"
+            )
+        return self
+
+
+# One entry of `filters`, told apart by `kind`: a new kind of filter is one more model in this
+# union and one more name in FILTER_KINDS.
+FilterSpec = Annotated[DedupFilter | KeepFilter, Field(discriminator="kind")]
+FILTER_KINDS = ("dedup", "keep")
 
 
 class RunConfig(StrictModel):
@@ -280,10 +316,11 @@ class RunConfig(StrictModel):
         60, ge=1, description="a shard's lease: a second run of this config skips a shard "
         "leased by a live run, and takes it over once the lease expires (its holder died)",
     )
-    filters: list[Filter] = Field(
-        [], description="rules applied to each generated record before commit, e.g. "
-        '{kind: keep, field: score, op: ">=", value: 4}; a dropped record goes to `filtered/` '
-        "with the reason and the rule",
+    filters: list[FilterSpec] = Field(
+        [], description="applied in order once the whole run is generated, each to the records "
+        'the earlier ones kept (e.g. {kind: keep, field: score, op: ">=", value: 4}, then a '
+        "dedup): kept records go to data/, dropped ones to filtered/ with the rule and why. "
+        "Part of the run's identity",
     )
     run_id: str | None = Field(
         None,
@@ -292,8 +329,16 @@ class RunConfig(StrictModel):
         "set one to start a separate run (`--set run_id=nightly-2`)",
     )
 
+    @field_validator("filters")
+    @classmethod
+    def _one_dedup(cls, filters: list[FilterSpec]) -> list[FilterSpec]:
+        if sum(f.kind == "dedup" for f in filters) > 1:
+            raise ValueError("at most one dedup entry (minhash also drops exact duplicates)")
+        return filters
+
     def resolved_run_id(self) -> str:
-        """Same input/generation/sharding/seed/output -> same run id -> a rerun resumes."""
+        """Same input/generation/sharding/seed/output (and filters, when set) -> same run id
+        -> a rerun resumes. Filters decide what data/ holds, so they are part of the run."""
         if self.run_id:
             return self.run_id
         # Fields a version added count only when set, so earlier runs keep their ids.
@@ -318,10 +363,15 @@ def _sha256_json(value: Any) -> str:
 def format_validation_error(error: ValidationError) -> str:
     lines = [f"invalid run config ({error.error_count()} problem(s)):"]
     for item in error.errors():
-        where = ".".join(str(part) for part in item["loc"]) or "(top level)"
+        loc = item["loc"]
+        if loc[:1] == ("filters",) and len(loc) > 2:  # drop the `kind` tag pydantic adds
+            loc = loc[:2] + loc[3:]
+        where = ".".join(str(part) for part in loc) or "(top level)"
         message = item["msg"].removeprefix("Value error, ")
         if item["type"] == "extra_forbidden":
             message = "unknown field; remove it (credentials belong in the environment)"
+        elif item["type"] in ("union_tag_invalid", "union_tag_not_found"):
+            message = f"kind must be one of: {', '.join(FILTER_KINDS)}"
         lines.append(f"  - {where}: {message}")
     return "\n".join(lines)
 

@@ -29,7 +29,13 @@ from fsspec import AbstractFileSystem
 from pydantic import ValidationError
 
 from schemas.arrow import DATA_SCHEMA
-from schemas.run import RUN_OUTPUT, RunConfig, format_validation_error, template_fields
+from schemas.run import (
+    RUN_OUTPUT,
+    KeepFilter,
+    RunConfig,
+    format_validation_error,
+    template_fields,
+)
 from tasks.planning import InputError, Shard, _fingerprint, _plan_parquet, display_uri
 from tasks.records import BadRecord, Record, build_prompt, raw_items, record_seed, truncate
 
@@ -198,8 +204,7 @@ def read_upstream(
             bad.append(BadRecord(row, offset, record_id, str(error), truncate(raw)))
             continue
         good.append(Record(row, offset, record_id, prompt, text,
-                           record_seed(config.seed, record_id), parent_id=parent_id,
-                           fields=fields))
+                           record_seed(config.seed, record_id), parent_id=parent_id))
     return good, bad
 
 
@@ -227,7 +232,7 @@ def schema_properties(config: RunConfig) -> set[str] | None:
 def check_fields(config: RunConfig) -> list[str]:
     """Before a chain step (or a filtered run) runs: every name its template, prompt_field and
     filters use exists somewhere; InputError names the first that does not (exit 2). Returns
-    the plan's lines about the upstream run and the filters."""
+    the plan's lines about the upstream run (tasks/filtering.py describes the filters)."""
     from tasks.storage import filesystem
 
     lines: list[str] = []
@@ -255,9 +260,9 @@ def check_fields(config: RunConfig) -> list[str]:
                     f"{', '.join(sorted(upstream_names))}); fix the template or field name"
                 )
     structured = schema_properties(config)
-    for index, rule in enumerate(config.filters):
-        if structured is None or rule.field in structured or rule.field in upstream_names:
-            lines.append(f"filter {index}: {rule.describe()}; the rest go to filtered/")
+    for index, rule in enumerate(config.filters):  # the filter step applies them (filtering.py)
+        if not isinstance(rule, KeepFilter) or structured is None or (
+                rule.field in structured or rule.field in upstream_names):
             continue
         raise InputError(
             f"filters[{index}].field {rule.field!r} exists nowhere: not in "

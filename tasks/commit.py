@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
 
-from tasks.layout import ALWAYS_PUBLISHED, PUBLISHED_KINDS, RunLayout
+from tasks.layout import PUBLISHED_KINDS, RunLayout
 from tasks.storage import is_local
 
 
@@ -118,7 +118,7 @@ def commit_shard(
         **summary,
     }
     if not create_exclusive(fs, layout.manifest(shard_id), json.dumps(manifest).encode()):
-        _remove(fs, attempt_dir)  # the manifest names another attempt: ours can never win
+        remove_dir(fs, attempt_dir)  # the manifest names another attempt: ours can never win
         return False
     publish(layout, manifest)
     return True
@@ -133,25 +133,29 @@ def publish(layout: RunLayout, manifest: dict[str, Any]) -> None:
     while another process finishes the same publish (whoever moves a file first wins)."""
     fs, shard_id = layout.fs, manifest["shard_id"]
     attempt_dir = layout.attempt_dir(shard_id, manifest["attempt_id"])
-    missing = []
-    for kind in manifest["files"]:
-        staged, final = f"{attempt_dir}/{kind}.parquet", layout.published(kind, shard_id)
-        _ensure_parent(fs, final)
-        try:
-            fs.mv(staged, final)
-        except FileNotFoundError:
-            if not fs.exists(final):
-                missing.append(kind)
+    missing = [kind for kind in manifest["files"] if not move_staged(
+        fs, f"{attempt_dir}/{kind}.parquet", layout.published(kind, shard_id))]
     if missing:
         raise CommittedFilesMissing(
             f"shard {shard_id} is committed (attempt {manifest['attempt_id']}) but its "
             f"{'/'.join(missing)} file(s) are missing both in {attempt_dir} and published; "
             f"delete {layout.manifest(shard_id)} to have the next run regenerate the shard"
         )
-    _remove(fs, attempt_dir)
+    remove_dir(fs, attempt_dir)
 
 
-def _remove(fs: AbstractFileSystem, directory: str) -> None:
+def move_staged(fs: AbstractFileSystem, staged: str, final: str) -> bool:
+    """Move a committed attempt's file to its published name. True once it is there, moved now
+    or earlier: safe to repeat, and to race (whoever moves it first wins)."""
+    _ensure_parent(fs, final)
+    try:
+        fs.mv(staged, final)
+    except FileNotFoundError:
+        return fs.exists(final)
+    return True
+
+
+def remove_dir(fs: AbstractFileSystem, directory: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         fs.rm(directory, recursive=True)
 
@@ -181,10 +185,14 @@ def finish_publishes(layout: RunLayout) -> dict[str, str]:
     connection between commit and publish, in this run or an earlier one. Idempotent.
     Returns shard id -> what happened (published, or why it could not be)."""
     published = _published_sizes(layout)
-    unfinished = [
-        shard_id for shard_id in sorted(committed_shard_ids(layout))
-        if any(layout.published(kind, shard_id) not in published for kind in ALWAYS_PUBLISHED)
-    ]
+
+    def finished(shard_id: str) -> bool:  # its records are data/, or generated/ with filters
+        return all(layout.published(kind, shard_id) in published for kind in ("errors", "metrics")
+                   ) and any(layout.published(kind, shard_id) in published
+                             for kind in ("data", "generated"))
+
+    unfinished = [shard_id for shard_id in sorted(committed_shard_ids(layout))
+                  if not finished(shard_id)]
     outcome = {}
     for shard_id, manifest in _read_manifests(layout, unfinished).items():
         if all(layout.published(kind, shard_id) in published for kind in manifest["files"]):
@@ -208,7 +216,7 @@ def sweep_losing_attempts(layout: RunLayout) -> int:
             continue
         manifest = read_manifest(layout, shard_id)
         if manifest and manifest["attempt_id"] != attempt_id:
-            _remove(fs, attempt_dir)
+            remove_dir(fs, attempt_dir)
             removed += 1
     return removed
 

@@ -32,6 +32,16 @@ def is_transient(error: BaseException) -> bool:
     return isinstance(error, OSError | TimeoutError)
 
 
+def is_io_error(task, task_run, state) -> bool:
+    """A Prefect retry condition: retry storage hiccups, not bad data, a bad model path or
+    engine bugs."""
+    try:
+        state.result()
+    except Exception as error:
+        return is_transient(error)
+    return False
+
+
 def describe(error: BaseException, limit: int = 300) -> str:
     """One line: the error's type and the first line of its message."""
     lines = str(error).strip().splitlines()

@@ -6,7 +6,17 @@ because of its leading underscore) holds files not yet committed.
     {root}/manifests/{run_id}.{shard_id}.json      <- the commit point; lists the files below
     {root}/leases/{run_id}.{shard_id}.{n}.json     <- who generates the shard now (leases.py)
     {root}/_attempts/run_date=D/run_id=R/{shard_id}/{attempt}/{kind}.parquet
-    {root}/{data,errors,metrics,filtered}/run_date=D/run_id=R/{shard_id}.parquet
+    {root}/{data,errors,metrics}/run_date=D/run_id=R/{shard_id}.parquet
+
+A run with `filters` commits its shards' records to generated/ instead; its filter step
+(filtering.py) then commits data/ (kept) and filtered/ (dropped) in one entry of the output's
+filter log, and, for a dedup with scope output, the run's segment of the dedup index:
+
+    {root}/generated/run_date=D/run_id=R/{shard_id}.parquet
+    {root}/filter_log/{n}.json                     <- the commit point of one run's filter step
+    {root}/_attempts/run_date=D/run_id=R/_filters/{attempt}/{kind}/{shard_id}.parquet
+    {root}/filtered/run_date=D/run_id=R/{shard_id}.parquet
+    {root}/dedup_index/{rule key}/{run_id}.parquet
 """
 
 from __future__ import annotations
@@ -18,10 +28,7 @@ from fsspec import AbstractFileSystem
 
 from schemas.run import RunConfig
 
-PUBLISHED_KINDS = ("data", "errors", "metrics", "filtered")
-# Every shard publishes these; filtered/ only under `filters:`. A manifest's files publish in
-# sorted order, metrics last, so an unpublished metrics file marks any publish cut short.
-ALWAYS_PUBLISHED = ("data", "errors", "metrics")
+PUBLISHED_KINDS = ("data", "generated", "errors", "metrics", "filtered")
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,19 @@ class RunLayout:
 
     def published_dir(self, kind: str) -> str:
         return self._partition(kind)
+
+    @property
+    def filter_log_glob(self) -> str:
+        return f"{self.root}/filter_log/*.json"
+
+    def filter_log_entry(self, number: int) -> str:
+        return f"{self.root}/filter_log/{number:08d}.json"
+
+    def filter_attempt_dir(self, attempt_id: str) -> str:
+        return f"{self._partition('_attempts')}/_filters/{attempt_id}"
+
+    def relative_index_segment(self, rule_key: str) -> str:
+        return f"dedup_index/{rule_key}/{self.run_id}.parquet"
 
 
 def run_layout(config: RunConfig) -> RunLayout:

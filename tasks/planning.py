@@ -13,7 +13,8 @@ import itertools
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import pyarrow.parquet as pq
 from fsspec import AbstractFileSystem
@@ -79,6 +80,8 @@ class Plan:
     # The run's quality guards, so `corpusgen report` can say whether it passed them.
     max_error_fraction: float = 0.5
     max_empty_fraction: float = 0.5
+    # The run's filters (config.filters as JSON): fixed for the run, as they decide data/.
+    filters: list[dict[str, Any]] = field(default_factory=list)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -351,9 +354,16 @@ def write_plan(layout: RunLayout, plan: Plan) -> Plan:
             "changed since. Restore it, or start a new run: --set run_id=<new id>, or another "
             "output"
         )
+    if existing.filters != plan.filters:
+        raise InputError(
+            f"run {plan.run_id} was planned with filters {existing.filters or 'none'}, the "
+            f"config has {plan.filters or 'none'}; a run keeps its filters (its shards commit "
+            "for them): restore them, or start a new run: --set run_id=<new id>"
+        )
     return existing
 
 
 def new_plan(layout: RunLayout, config: RunConfig, shards: list[Shard]) -> Plan:
     return Plan(layout.run_id, layout.run_date, config.config_hash(), shards,
-                config.max_error_fraction, config.max_empty_fraction)
+                config.max_error_fraction, config.max_empty_fraction,
+                [rule.model_dump(mode="json") for rule in config.filters])

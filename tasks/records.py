@@ -37,7 +37,6 @@ class Record:
     samples: int | None = None  # completions wanted (a batch request's n); None: the config's
     input_prompt: str = ""  # prompt_text as the input made it, before the chat template
     parent_id: str | None = None  # a chain step: the upstream record's id
-    fields: dict[str, Any] | None = None  # a chain step: what the upstream row offers filters
 
 
 @dataclass(frozen=True)

@@ -15,17 +15,13 @@ from tasks.planning import Plan
 
 
 def summarize_run(
-    layout: RunLayout, output: str, plan: Plan, unscheduled: int, failed: list[str]
+    layout: RunLayout, output: str, plan: Plan, unscheduled: int, failed: list[str],
+    filtered: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """`filtered`: the run's filter log entry, when its filters were applied."""
     metrics = read_published(layout, "metrics", METRICS_SCHEMA)
-    summary = run_summary(metrics, layout.run_id, layout.run_date, output, len(plan.shards),
-                          unscheduled, failed)
-    filtered = sum(metrics.column("filtered_rows").drop_null().to_pylist())
-    if filtered:  # records a `filters:` rule dropped
-        summary["filtered_rows"] = filtered
-        summary["filtered"] = (f"{output}/filtered/run_date={layout.run_date}/"
-                               f"run_id={layout.run_id}/")
-    return summary
+    return run_summary(metrics, layout.run_id, layout.run_date, output, len(plan.shards),
+                       unscheduled, failed, filtered)
 
 
 def publish_summary_artifacts(summary: dict[str, Any], usd_per_hour: float, device_type: str):

@@ -17,7 +17,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 from prefect.logging import get_run_logger
 
-from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, FILTERED_SCHEMA, METRICS_SCHEMA
+from schemas.arrow import DATA_SCHEMA, ERRORS_SCHEMA, METRICS_SCHEMA
 from schemas.engine import ResponseFormat
 from schemas.pricing import device_cost
 from schemas.run import RUN_OUTPUT, RunConfig
@@ -30,8 +30,7 @@ from tasks.commit import (
     read_manifest,
 )
 from tasks.engine_cache import leased_engine
-from tasks.failures import is_transient
-from tasks.filters import dropped_by, rule_json
+from tasks.failures import is_io_error
 from tasks.layout import RunLayout
 from tasks.planning import Shard, check_unchanged
 from tasks.prompting import prompt_format, render_records
@@ -129,23 +128,6 @@ def _data_row(shard: Shard, record: Record, completion, parent_run_id: str | Non
     }
 
 
-def _filtered(
-    config: RunConfig, ok: list[tuple[Record, Completion]]
-) -> tuple[list[tuple[Record, Completion]], list[tuple[Record, Completion, str, str]]]:
-    """The records every `filters:` rule keeps, and the others with (reason, rule)."""
-    if not config.filters:
-        return ok, []
-    kept, dropped = [], []
-    for record, completion in ok:
-        found = dropped_by(config.filters, completion.text, record.fields)
-        if found is None:
-            kept.append((record, completion))
-        else:
-            rule, reason = found
-            dropped.append((record, completion, reason, rule_json(rule)))
-    return kept, dropped
-
-
 def _tables(shard: Shard, records, completions, bad: list[BadRecord],
             parent_run_id: str | None = None):
     data = [
@@ -214,16 +196,13 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
     ]
     ok, unstructured = _structured_records(sampling.response_format, ok)
     bad += unstructured
-    ok, dropped = _filtered(config, ok)
     parent_run_id = config.input.run_id if config.input.format == RUN_OUTPUT else None
     data, errors = _tables(shard, [r for r, _ in ok], [c for _, c in ok], bad, parent_run_id)
     metrics = {
         **_metrics_row(
             config, layout, shard, engine_stats,
             input_rows=input_rows, ok_rows=data.num_rows, error_rows=errors.num_rows,
-            # filtered records' tokens were generated (and paid for) too
-            generated=sum(len(c.token_ids) for _, c in ok) + sum(
-                len(c.token_ids) for _, c, _, _ in dropped),
+            generated=sum(len(c.token_ids) for _, c in ok),
             wall=held_seconds, load_seconds=lease.load_seconds, started_at=started_at,
         ),
         "empty_completions": blank_count([c.text for _, c in ok]),
@@ -231,16 +210,12 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
         "partial_character_rows": sum(c.trimmed_partial_character for _, c in ok),
         "structured_rows": len(ok) if sampling.response_format else None,
         "structured_incomplete": sum(b.reason.startswith(INCOMPLETE) for b in unstructured),
-        "filtered_rows": len(dropped),
         "error_reasons": error_reason_counts(bad),
         **provenance(sampling, generation.samples_per_prompt, chat_template),
     }
-    tables = {"data": data, "errors": errors,
+    records_kind = "generated" if config.filters else "data"  # filters publish data/ later
+    tables = {records_kind: data, "errors": errors,
               "metrics": pa.Table.from_pylist([metrics], METRICS_SCHEMA)}
-    if config.filters:
-        tables["filtered"] = pa.Table.from_pylist(
-            [{**_data_row(shard, r, c, parent_run_id), "reason": reason, "rule": rule}
-             for r, c, reason, rule in dropped], FILTERED_SCHEMA)
     summary = summary_of(metrics)
     check_unchanged(input_fs, [shard], layout.run_id)  # what was read is what was planned
     if commit_shard(layout, shard.shard_id, new_attempt_id(), tables, summary):
@@ -305,15 +280,6 @@ def _metrics_row(
         "plain_seconds_estimate": plain_seconds,
         "plain_cost_estimate": plain_cost,
     }
-
-
-def is_io_error(task, task_run, state) -> bool:
-    """Retry storage hiccups, not bad data, a bad model path or engine bugs."""
-    try:
-        state.result()
-    except Exception as error:
-        return is_transient(error)
-    return False
 
 
 @task(

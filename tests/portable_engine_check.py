@@ -1,7 +1,8 @@
 """Run in a child process (under an emulated AVX2-only CPU, or with fast kernels disabled):
-a bf16 target with each draft kind that has weights, greedy and seeded, against plain
-decoding. Prints one JSON object: the CPU, each probe's verdict, the kernels each engine ran,
-and whether every speculative completion equalled plain decoding's.
+a bf16 target with each draft kind that has weights, and an int4 target with prompt lookup,
+greedy and seeded, against plain decoding at the same precision. Prints one JSON object: the
+CPU, each probe's verdict, the kernels each engine ran, and whether every speculative
+completion equalled plain decoding's.
 
 Prompts are token ids below the model's vocabulary size, so a model with a small vocabulary
 keeps the run short under an emulator.
@@ -29,8 +30,8 @@ PARAMS = {
 GREEDY_ONLY = "--greedy-only"  # under an emulator: the seeded path is the same code
 
 
-def engine(model_dir: str, draft: DraftSpec | None) -> Engine:
-    target = ModelSpec(path=model_dir, dtype="bfloat16")
+def engine(model_dir: str, draft: DraftSpec | None, quantize: str | None = None) -> Engine:
+    target = ModelSpec(path=model_dir, dtype="bfloat16", quantize=quantize)
     return Engine.from_config(
         EngineConfig(target=target, draft=draft, device="cpu", bucket_grid=SMALL_GRID,
                      num_draft_tokens=4)
@@ -50,6 +51,7 @@ def main(model_dir: str, greedy_only: bool = False) -> dict:
             (kernels.ONEDNN_PACKED_BF16, kernels.packed_bf16),
             (kernels.FBGEMM_INT8, kernels.fbgemm_int8),
             (kernels.INT_MM, kernels.int_mm),
+            (kernels.INT4PACK_MM, kernels.int4pack_mm),
         )},
         "kernels": {"plain": plain.hardware_info["cpu_kernels"]},
         "identical": {},
@@ -62,6 +64,14 @@ def main(model_dir: str, greedy_only: bool = False) -> dict:
             got = [c.token_ids for c in speculative.generate(prompts, params)]
             result["identical"][f"{draft_name}/{name}"] = got == expected[name]
             result["rounds"][f"{draft_name}/{name}"] = speculative.stats.rounds
+    plain_int4 = engine(model_dir, None, "int4")
+    speculative_int4 = engine(model_dir, DraftSpec(kind="prompt_lookup"), "int4")
+    result["kernels"]["int4-target"] = plain_int4.hardware_info["cpu_kernels"]
+    for name, params in params_used.items():
+        got = [c.token_ids for c in speculative_int4.generate(prompts, params)]
+        expected_int4 = [c.token_ids for c in plain_int4.generate(prompts, params)]
+        result["identical"][f"int4-target/prompt-lookup/{name}"] = got == expected_int4
+        result["rounds"][f"int4-target/prompt-lookup/{name}"] = speculative_int4.stats.rounds
     return result
 
 

@@ -73,7 +73,7 @@ def test_generate_judge_keep_end_to_end_exactly_once(upstream, tiny_llama_dir):
     # Every upstream record is judged exactly once: kept, filtered or an error row.
     ids = [r["id"] for r in kept + dropped] + [e["id"] for e in errors]
     assert sorted(ids) == sorted(f"{r['id']}#{r['sample_index']}" for r in gen)
-    assert kept and dropped and summary["ok_rows"] == len(kept)
+    assert kept and dropped and summary["ok_rows"] == len(kept) + len(dropped)  # generated
     by_id = {(r["id"], r["sample_index"]): r for r in gen}
     for record in kept + dropped:
         parent = by_id[(record["parent_id"], int(record["id"].rsplit("#", 1)[1]))]
@@ -85,11 +85,12 @@ def test_generate_judge_keep_end_to_end_exactly_once(upstream, tiny_llama_dir):
         assert json.loads(record["completion"])["score"] >= 3
     for record in dropped:
         score = json.loads(record["completion"])["score"]
-        assert score < 3 and record["reason"] == f"score is {score}, not >= 3"
-        assert json.loads(record["rule"]) == KEEP
-    metrics = rows(root / "judge", "metrics")
-    assert sum(m["filtered_rows"] for m in metrics) == len(dropped)
-    assert summary.get("filtered_rows", 0) == len(dropped)
+        assert score < 3 and record["filter_reason"] == f"score is {score}, not >= 3"
+        assert json.loads(record["filter_rule"]) == KEEP
+        assert record["duplicate_of_id"] is None
+    # The filter step dropped them, after every shard committed all it generated.
+    assert len(rows(root / "judge", "generated")) == len(kept) + len(dropped)
+    assert (summary["kept_rows"], summary["filtered_rows"]) == (len(kept), len(dropped))
     assert summary["generated_tokens"] == sum(r["completion_tokens"] for r in kept + dropped)
 
     # A rerun commits nothing new; the same run id.
@@ -151,7 +152,7 @@ def test_plan_names_the_upstream_run_and_bad_chain_input_is_one_line(
     status, output = plan(input__run_id=gen_summary["run_id"])
     assert status == 0 and f"upstream: run {gen_summary['run_id']}" in output, output
     assert "12 data rows" in output and "(input.run_id of" in output
-    assert 'filter 0: keep score >= 3' in output
+    assert 'filters[0] keep score >= 3' in output
     assert not (tmp_path / "judge").exists()
 
     (tmp_path / "empty" / "plan").mkdir(parents=True)
@@ -194,3 +195,31 @@ def test_a_plain_runs_filter_must_name_a_property_of_its_schema(tmp_path):
         assert "Traceback" not in result.output
     assert "'grade' exists nowhere" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_keep_rule_reads_the_upstream_record_when_this_run_has_no_such_field(
+    upstream, tiny_llama_dir, tmp_path
+):
+    """The filter step finds each generated record's upstream row by parent_id and the
+    upstream sample_index its id carries."""
+    import pyarrow as pa
+
+    from tasks.chains import pin_upstream
+    from tasks.filters import drop_reason, upstream_of
+
+    root, _, gen_summary = upstream
+    config = pin_upstream(parse_run_config(judge_config(
+        root / "gen", tmp_path / "judge", tiny_engine(tiny_llama_dir),
+        input={"uri": str(root / "gen" / "data"), "run_id": gen_summary["run_id"],
+               "template": "{completion}"})))
+    gen = [r for r in rows(root / "gen") if r["run_id"] == gen_summary["run_id"]]
+    records = pa.table({"id": [f"{r['id']}#{r['sample_index']}" for r in gen],
+                        "parent_id": [r["id"] for r in gen]})
+    found = upstream_of(config, records)
+    assert [f["completion"] for f in found] == [r["completion"] for r in gen]
+    rule = KeepFilter(kind="keep", field="sample_index", op="==", value=0)
+    reasons = [drop_reason(rule, {"score": 4}, fields) for fields in found]
+    assert reasons == [None if r["sample_index"] == 0 else "sample_index is 1, not == 0"
+                       for r in gen]
+    second = next(f for f, r in zip(found, gen, strict=True) if r["sample_index"] == 1)
+    assert drop_reason(rule, {"sample_index": 0}, second) is None  # this run's field first

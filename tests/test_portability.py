@@ -72,6 +72,7 @@ def test_without_the_packed_kernel_a_bf16_engine_runs_torchs_linear_and_stays_ex
         "plain": "target=fp32-compute",
         "quantized-bf16": "target=fp32-compute draft=fp32-compute",
         "quantized-int8": "target=fp32-compute draft=fbgemm-int8",
+        "int4-target": "target=fp32-compute+int4pack-mm",  # prefills: the bf16 copies
     }
     assert all(result["identical"].values()), result["identical"]
     assert all(result["rounds"].values()), result["rounds"]
@@ -123,7 +124,9 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
 ):
     """The real refusal, not a switch: under `qemu-x86_64 -cpu Haswell` oneDNN's prepacked
     bf16 kernel raises its AVX-512 error in the probe, and the same checks as above pass."""
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"}
+    # this checkout first, not whatever the venv has installed (a worktree beside it)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+           "OMP_NUM_THREADS": "1"}
     env.pop(kernels.DISABLE_ENV, None)
     done = subprocess.run(
         [QEMU, "-cpu", "Haswell", sys.executable, str(TESTS / "portable_engine_check.py"),
@@ -136,5 +139,7 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
     assert "avx512bw" in result["probes"][kernels.ONEDNN_PACKED_BF16]
     assert result["probes"][kernels.FBGEMM_INT8] == "probe passed"
     assert result["kernels"]["quantized-int8"] == "target=fp32-compute draft=fbgemm-int8"
+    assert result["probes"][kernels.INT4PACK_MM] == "probe passed"  # its AVX2 path
+    assert result["kernels"]["int4-target"] == "target=fp32-compute+int4pack-mm"
     assert all(result["identical"].values()), result["identical"]
     assert "kernel onednn-packed-bf16 unavailable, using the fallback" in done.stderr
