@@ -59,10 +59,17 @@ def test_guards_name_what_failed_and_pass_within_the_limits():
 
 
 def test_summary_figures_are_named_and_blank_when_undefined():
-    from reporting.summary import COUNT_FIELDS, FIGURE_FIELDS, cost_report_markdown, summary_figures
+    from reporting.summary import (
+        COUNT_FIELDS,
+        FIGURE_FIELDS,
+        FILTER_FIELDS,
+        cost_report_markdown,
+        summary_figures,
+    )
 
     summary = {**summary_with(error_rows=6, error_reasons=[{"reason": "missing_field", "rows": 6}]),
                **dict.fromkeys(COUNT_FIELDS, 0), "error_rows": 6, **dict.fromkeys(FIGURE_FIELDS),
+               **dict.fromkeys(FILTER_FIELDS),  # a run without filters
                "shards_committed": 1, "shards_planned": 1, "stopped_on_budget": False,
                "cost": 0.0001, "engine_load_cost": 0.0002, "total_cost": 0.0003,
                "data": "d/", "metrics": "m/"}
@@ -71,6 +78,7 @@ def test_summary_figures_are_named_and_blank_when_undefined():
     assert figures["error reasons"] == "missing_field 6"
     assert figures["acceptance rate"] == figures["total cost per 1M tokens"] == "n/a"
     assert figures["total cost"] == "$0.000300"
+    assert "kept / filtered" not in figures
     markdown = cost_report_markdown(summary, 0.4, "cpu")
     assert "| engine load cost | $0.000200 (n/a s) |" in markdown
 
