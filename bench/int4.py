@@ -5,8 +5,10 @@ int4 is the model's GGUF 4-bit blocks run by torch's int4 kernel, its other line
 (packed by oneDNN where it runs); bf16 and fp32 are the GGUF's dequantized weights. One
 process, one thread; the three runners take turns shape by shape within each repetition, so
 drift hits all of them; medians. Shapes: [b, 1] decode steps at batch 1 and 8 (tok/s = b /
-step time) and the [b, 5] verifies a K=4 round costs. Also: how far the kernel's bf16 scales
-move the shipped weights (`scale_rounding`), beside what bf16 weights move them. Prints
+step time) and the [b, 5] verifies a K=4 round costs. Also: the LM head the int4 model keeps
+(Q6_K / Q8_0 in the GGUFs) in bf16 against torch's int8 weight-only kernel; how far the
+kernel's bf16 scales move the shipped weights (`scale_rounding`), beside what bf16 weights
+move them. Prints
 JSON naming the machine and writes it to bench/results/int4-<isa>-<date>.json.
 Usage: python bench/int4.py [--repeats 7] [--models NAME ...]  (packaged names: Qwen 1.5B, SmolLM2)
 """
@@ -18,6 +20,7 @@ import copy
 import datetime
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -105,6 +108,28 @@ def runners(name: str) -> tuple[dict[str, ModelRunner], dict[str, Int4Weights]]:
     return built, shipped
 
 
+def kept_head_ms(
+    head: nn.Module, weight: torch.Tensor, repeats: int
+) -> dict[str, dict[str, float]]:
+    """The LM head the int4 model keeps (not 4-bit in either GGUF) as it runs (bf16, packed by
+    oneDNN here) against torch's int8 weight-only kernel on the same `weight` rounded per
+    channel, at 1 and 8 rows, taking turns; medians in ms."""
+    scales = weight.float().abs().amax(1).clamp_min(1e-8) / 127
+    int8 = (weight.float() / scales[:, None]).round().to(torch.int8)
+    contenders = {"bf16": head, "int8_weight_only": lambda x: torch.ops.aten._weight_int8pack_mm(
+        x, int8, scales.bfloat16())}
+    times: dict[str, dict[str, list[float]]] = {kind: {} for kind in contenders}
+    for _ in range(repeats + 1):  # the first round pays set-up
+        for rows in (1, 8):
+            x = torch.randn(rows, weight.shape[1]).bfloat16()
+            for kind, product in contenders.items():
+                started = time.perf_counter()
+                product(x)
+                times[kind].setdefault(f"rows_{rows}", []).append(time.perf_counter() - started)
+    return {kind: {rows: round(statistics.median(v[1:]) * 1e3, 1) for rows, v in by_rows.items()}
+            for kind, by_rows in times.items()}
+
+
 def measure(name: str, repeats: int) -> dict:
     built, shipped = runners(name)
     for runner in built.values():  # first calls pay one-time set-up
@@ -131,6 +156,8 @@ def measure(name: str, repeats: int) -> dict:
         "weight_bytes_per_token": {kind: {f"batch_{b}": round(v / b) for b in (1, 8)}
                                    for kind, v in step_bytes.items()},
         "int4_linears": sum(isinstance(m, Int4Linear) for m in built["int4"].model.modules()),
+        "kept_lm_head_ms": kept_head_ms(built["int4"].model.lm_head,
+                                        built["fp32"].model.lm_head.weight.detach(), repeats),
         "scale_rounding": scale_rounding(shipped),
     }
 

@@ -41,7 +41,7 @@ log = logging.getLogger("corpusgen.int4")
 GROUP_SIZES = (32, 64, 128, 256)  # what the kernel takes
 GROUP_SIZE = 32  # a GGUF 4-bit block's size, and the finest (most accurate) group
 # A draft's calls wider than this run the bf16 copy. Whole Qwen 1.5B forwards on the AVX-512
-# Xeon, int4 over packed bf16: 0.64x the time at [1, 1], 1.18x at [1, 5], 1.41x at [8, 1]
+# Xeon, int4 over packed bf16: 0.58x the time at [1, 1], 1.08x at [1, 5], 1.68x at [8, 1]
 # (bench/results/int4-avx512-2026-12-06.json).
 DRAFT_KERNEL_ROWS = 4
 DEQUANTIZED_ROWS = 256  # rows dequantized at a time: ~1 MB of fp32, which stays in cache
@@ -196,9 +196,10 @@ def int4_weights_of(
     if shipped is not None:
         kept = sum(modules[n].weight.numel() for n in linear_names(model) if n not in found)
         total = sum(modules[n].weight.numel() for n in linear_names(model))
-        log.info("int4: %d of %d linears from the GGUF's 4-bit blocks; %.0f%% of linear "
-                 "weights kept in bf16 (not 4-bit in the GGUF)", len(found),
-                 len(linear_names(model)), 100 * kept / total)
+        log.log(logging.INFO if found else logging.WARNING,
+                "int4: %d of %d linears from the GGUF's 4-bit blocks; %.0f%% of linear "
+                "weights kept in bf16 (not 4-bit in the GGUF)", len(found),
+                len(linear_names(model)), 100 * kept / total)
     return found
 
 
