@@ -18,6 +18,7 @@ import plotly.io as pio
 from plotly.offline import get_plotlyjs
 
 from reporting.tables import (
+    FILTER_COLUMNS,
     MODEL_PAIR_COLUMNS,
     PRICE_COLUMNS,
     REGRESSION_COLUMNS,
@@ -298,6 +299,7 @@ def _kpis(report: dict[str, Any]) -> str:
 def _tables(report: dict[str, Any]) -> list[str]:
     runs = report["runs"][-RUNS_TABLE_ROWS:][::-1]
     regressions = report["regressions"][::-1]
+    filtered = [run for run in runs if run["kept_rows"] is not None]
     return [
         _panel("Regressions", "runs more than 20 % worse than the median of the previous (up to) "
                "7 runs of the same model pair × device type, newest first",
@@ -305,6 +307,9 @@ def _tables(report: dict[str, Any]) -> list[str]:
                else '<p class="empty">none</p>'),
         _panel("Runs", f"the latest {len(runs)} of {len(report['runs'])} runs, newest first, "
                "at the report's prices", html_table(runs, RUN_COLUMNS)),
+        *([_panel("Filters", "what each filtered run's rules kept and dropped, of the records "
+                  "it generated, newest first", html_table(filtered, FILTER_COLUMNS))]
+          if filtered else []),
         _panel("Model pairs", "target × draft × device, all runs, cheapest per token first",
                html_table(report["model_pairs"], MODEL_PAIR_COLUMNS)),
         _panel("Costliest shards", f"top {len(report['costliest_shards'])} by cost",

@@ -242,7 +242,7 @@ def report_rows(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     return _records(
         con,
         (
-            "SELECT * FROM cost_rollup ORDER BY "
+            "SELECT * FROM rollup_with_filters ORDER BY "
             "list_position(['run', 'model_pair', 'total'], level), started_at, cost_per_1m_tokens"
         ),
     )

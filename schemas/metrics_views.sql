@@ -107,15 +107,22 @@ SELECT CASE WHEN grouping(run_id) = 0 THEN 'run'
 FROM shard_costs
 GROUP BY GROUPING SETS ((run_id), (target_model, draft_model, draft_kind, device_type), ());
 
--- Per run, with its filters' outcome: rates are of the generated records the filters judged.
+-- Each filtered run's outcome: rates are of the generated records the filters judged.
+CREATE OR REPLACE VIEW filter_outcome AS
+SELECT run_id, kept_rows, filtered_rows, duplicate_rows,
+       kept_rows / nullif(input_rows, 0) AS kept_rate,
+       filtered_rows / nullif(input_rows, 0) AS filtered_rate,
+       duplicate_rows / nullif(input_rows, 0) AS duplicate_rate
+FROM filter_stats;
+
+-- The rollup with each run row's filter outcome (NULL for runs without filters): `--format csv`.
+CREATE OR REPLACE VIEW rollup_with_filters AS
+SELECT r.*, f.* EXCLUDE (run_id)
+FROM cost_rollup AS r LEFT JOIN filter_outcome AS f ON r.level = 'run' AND f.run_id = r.run_id;
+
 CREATE OR REPLACE VIEW run_summary AS
-SELECT r.* EXCLUDE (level, target_model, draft_model, draft_kind, device_type),
-       f.kept_rows, f.filtered_rows, f.duplicate_rows,
-       f.kept_rows / nullif(f.input_rows, 0) AS kept_rate,
-       f.filtered_rows / nullif(f.input_rows, 0) AS filtered_rate,
-       f.duplicate_rows / nullif(f.input_rows, 0) AS duplicate_rate
-FROM cost_rollup AS r LEFT JOIN filter_stats AS f ON f.run_id = r.run_id
-WHERE r.level = 'run' ORDER BY r.started_at, r.run_id;
+SELECT * EXCLUDE (level, target_model, draft_model, draft_kind, device_type)
+FROM rollup_with_filters WHERE level = 'run' ORDER BY started_at, run_id;
 
 CREATE OR REPLACE VIEW model_pair_summary AS
 SELECT * EXCLUDE (level, run_id, device_types, draft_kinds, model_pairs)

@@ -4,6 +4,8 @@ a second run with scope output drops what the first kept; plan and report show t
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import re
 
@@ -107,6 +109,15 @@ def test_dedup_filters_a_run_once_and_the_next_run_against_it(tmp_path, tiny_lla
     assert runs[run1]["kept_rate"] + runs[run1]["filtered_rate"] == pytest.approx(1)
     table_report = runner.invoke(app, ["report", str(out)])
     assert "Filters (of generated records)" in table_report.stdout
+    csv_report = runner.invoke(app, ["report", str(out), "--format", "csv"])
+    csv_runs = {row["run_id"]: row for row in csv.DictReader(io.StringIO(csv_report.stdout))
+                if row["level"] == "run"}
+    assert int(csv_runs[run1]["kept_rows"]) == len(kept)
+    assert float(csv_runs[run1]["duplicate_rate"]) == pytest.approx(len(filtered) / 24)
+    html = tmp_path / "dashboard.html"
+    assert runner.invoke(app, ["report", str(out), "--html", str(html)]).exit_code == 0
+    panel = html.read_text().split("<h2>Filters</h2>")[1].split("</section>")[0]
+    assert run1 in panel and run2 in panel and f">{len(filtered)}<" in panel
 
     config_path = tmp_path / "first.yaml"
     config_path.write_text(yaml.safe_dump(first))
