@@ -3,6 +3,7 @@ and the demo runs end to end with the packaged SmolLM2."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -55,15 +56,32 @@ def test_bad_config_and_missing_input_exit_2_with_the_reason(tmp_path):
 
 
 @pytest.mark.slow
-def test_demo_runs_end_to_end(tmp_path, smollm2_spec, prefect_server):
+def test_the_judge_demo_generates_judges_and_keeps_end_to_end(tmp_path, smollm2_spec,
+                                                               prefect_server):
+    """`corpusgen demo --example judge`: the chat demo, then SmolLM2 grading each answer."""
     env = {**os.environ, "PREFECT_API_URL": prefect_server}
-    command = [str(Path(sys.executable).with_name("corpusgen")), "demo", "--output",
-               str(tmp_path / "demo"), "--set", "generation.sampling.max_new_tokens=4"]
+    command = [str(Path(sys.executable).with_name("corpusgen")), "demo", "--example", "judge",
+               "--output", str(tmp_path / "demo")]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "Generated records:" in result.stdout and "Metrics:" in result.stdout
-    data = ds.dataset(tmp_path / "demo" / "data", partitioning="hive").to_table()
-    assert data.num_rows == 24 and len(set(data.column("id").to_pylist())) == 24
+    assert "Kept records:" in result.stdout and "Filtered records:" in result.stdout
+    answers = ds.dataset(tmp_path / "demo" / "generate" / "data", partitioning="hive").to_table()
+    assert answers.num_rows == 24 and len(set(answers.column("id").to_pylist())) == 24
+    judged = {kind: read_rows(tmp_path / "demo" / "judge" / kind)
+              for kind in ("data", "filtered", "errors")}
+    assert sorted(r["parent_id"] for r in judged["data"] + judged["filtered"]) + sorted(
+        r["id"].rsplit("#", 1)[0] for r in judged["errors"]) == sorted(  # id#sample_index
+        answers.column("id").to_pylist())
+    assert judged["data"] and judged["filtered"]  # the demo shows both sides of the rule
+    for record in judged["data"]:
+        assert json.loads(record["completion"])["score"] >= 3
+    for record in judged["filtered"]:
+        assert json.loads(record["completion"])["score"] < 3
+        assert record["filter_reason"].endswith("not >= 3")
+
+
+def read_rows(path: Path) -> list[dict]:
+    return ds.dataset(path, partitioning="hive").to_table().to_pylist() if path.exists() else []
 
 
 def corpusgen(args: list[str], env: dict[str, str], timeout: int = 600):
