@@ -73,6 +73,10 @@ class DraftLengthPolicy(Protocol):
     def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
         """A step at batch bucket `width` took `seconds`, `forward_seconds` of it in forwards."""
 
+    def observe_payoff(self, width: int, k: int, seconds: float, tokens_per_row: float) -> None:
+        """A step at batch bucket `width` gave its live rows `tokens_per_row` tokens each in
+        `seconds` (a K round's catch-up of a lagging draft left out)."""
+
 
 class PlainDecoding:
     """No draft: every step is a plain step."""
@@ -99,6 +103,9 @@ class PlainDecoding:
         pass
 
     def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
+        pass
+
+    def observe_payoff(self, width: int, k: int, seconds: float, tokens_per_row: float) -> None:
         pass
 
 
@@ -195,6 +202,10 @@ class AutoDraftLength:
     def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
         self.chooser.observe_step(width, k, seconds, forward_seconds)
 
+    def observe_payoff(self, width: int, k: int, seconds: float, tokens_per_row: float) -> None:
+        if k:
+            self.chooser.observe_round_payoff(width, seconds, tokens_per_row)
+
 
 class DraftLengthChooser:
     """Picks K (0 = plain decoding) maximising expected tokens per second for the batch.
@@ -220,6 +231,13 @@ class DraftLengthChooser:
     With a DraftStopper (model drafts, K auto) a chosen K > 0 only says "speculate": the round
     drafts up to the largest grid K and the stopper picks where it ends; the rounds it ran
     are what alpha and the step costs learn from.
+    The model can be wrong where its assumptions are: acceptance comes in bursts (a draft is
+    right for a whole line, then wrong), which a geometric alpha overrates, and prices measured
+    in warm-up drift. So the rounds' realized payoff is the last word: once `payoff_rounds`
+    rounds ran at a batch bucket, their tokens per row over their wall time, against a plain
+    step's measured time there, must beat plain decoding, or that bucket decodes plain. The
+    veto lifts when the tries that exploration still makes bring the realized payoff back
+    above plain.
     """
 
     def __init__(
@@ -231,6 +249,8 @@ class DraftLengthChooser:
         prior_alpha: float = 0.7,
         explore_budget: float = 0.05,
         carried_trials: float = 4.0,
+        payoff_rounds: int = 4,
+        payoff_decay: float = 0.8,
     ):
         self.grid_ks, self.decay = grid_ks, decay
         self.base_interval, self.max_interval = explore_every, max_explore_every
@@ -243,6 +263,11 @@ class DraftLengthChooser:
         self.row_token_seconds = 0.0  # a batch step's cost per token of one row, at the best K
         self.step_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> whole step, averaged
         self.forward_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> its forwards then
+        self.payoff_rounds = payoff_rounds
+        self.rounds_at: dict[int, int] = {}  # b -> speculative rounds run at batch bucket b
+        self.payoff_decay = payoff_decay
+        self.round_seconds: dict[int, float] = {}  # b -> rounds' wall time, fading sum
+        self.round_row_tokens: dict[int, float] = {}  # b -> tokens they gave a row, fading sum
 
     @property
     def alpha(self) -> float:
@@ -272,6 +297,21 @@ class DraftLengthChooser:
         self.step_seconds[key] += 0.25 * (seconds - self.step_seconds[key])
         self.forward_seconds[key] += 0.25 * (forward_seconds - self.forward_seconds[key])
 
+    def observe_round_payoff(self, b: int, seconds: float, tokens_per_row: float) -> None:
+        """A speculative round's wall time and the tokens it gave each live row; older rounds
+        fade by `payoff_decay` a round (a ratio of sums, so a burst counts at its weight)."""
+        fade = self.payoff_decay
+        self.rounds_at[b] = self.rounds_at.get(b, 0) + 1
+        self.round_seconds[b] = self.round_seconds.get(b, 0.0) * fade + seconds
+        self.round_row_tokens[b] = self.round_row_tokens.get(b, 0.0) * fade + tokens_per_row
+
+    def realized_speedup(self, b: int, plain_seconds: float) -> float | None:
+        """Tokens per second the rounds at batch bucket b gave, over a plain step's (one
+        token per row in `plain_seconds`); None until `payoff_rounds` rounds ran there."""
+        if self.rounds_at.get(b, 0) < self.payoff_rounds:
+            return None
+        return self.round_row_tokens[b] * plain_seconds / self.round_seconds[b]
+
     def step_cost(self, b: int, k: int, forwards_seconds: float) -> float:
         """Measured whole-step time, or the forwards' time x the measured overhead ratio."""
         if (b, k) in self.step_seconds:
@@ -299,6 +339,9 @@ class DraftLengthChooser:
             rate = tokens / (cost + switch_seconds * tokens / horizon)
             if rate > best_rate:
                 best_k, best_rate = k, rate
+        realized = self.realized_speedup(b, plain)
+        if best_k and realized is not None and realized < 1.0:  # measured: it does not pay
+            return 0, plain, 1.0 / plain
         return best_k, plain, best_rate
 
     def choose(

@@ -137,3 +137,90 @@ def test_a_new_calls_text_outweighs_what_earlier_calls_measured_within_a_few_rou
         chooser.observe(6, [accepted])
     assert chooser.alpha < 0.75
     assert chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) < 6
+
+
+def run_rounds(chooser: DraftLengthChooser, kept_per_round, steps: int,
+               round_seconds: float = 3.2) -> list[int]:
+    """Steps at batch 1 priced as measured: a plain step 1 s, a K=4 round `round_seconds`;
+    round i keeps kept_per_round(i) drafted tokens. Returns the K chosen at each step."""
+    chosen, rounds = [], 0
+    for _ in range(steps):
+        k = chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG)
+        chosen.append(k)
+        if not k:
+            chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+            continue
+        kept = kept_per_round(rounds)
+        rounds += 1
+        chooser.observe(k, [kept])
+        chooser.observe_step(1, k, seconds=round_seconds, forward_seconds=round_seconds)
+        chooser.observe_round_payoff(1, round_seconds, kept + 1)
+    return chosen
+
+
+def bursty(round_index: int) -> int:
+    """All 4 drafted tokens kept, then none: 3 tokens a round on average, where a geometric
+    alpha fitted to it (0.8) expects 3.36."""
+    return 4 if round_index % 2 == 0 else 0
+
+
+def test_a_round_that_does_not_pay_in_wall_time_turns_speculation_off_within_a_few_rounds():
+    """The model expects 3.36 tokens for a 3.2 s round (1.05x plain); the rounds give 3
+    (0.94x). After `payoff_rounds` rounds the chooser decodes plain; the model alone would
+    speculate to the end."""
+    def chooser(payoff_rounds: int) -> DraftLengthChooser:
+        chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
+                                     payoff_rounds=payoff_rounds)
+        chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+        return chooser
+
+    model_only = run_rounds(chooser(payoff_rounds=10_000), bursty, 40)
+    assert model_only[4:] == [4] * 36
+    guarded = chooser(payoff_rounds=4)
+    chosen = run_rounds(guarded, bursty, 40)
+    assert chosen[:4] == [4] * 4 and chosen[4:] == [0] * 36
+    assert 0.8 < guarded.realized_speedup(1, 1.0) < 1.0  # the last rounds weigh most
+    assert guarded.realized_speedup(8, 1.0) is None  # another batch bucket: not measured
+
+
+def test_rounds_that_pay_are_never_vetoed():
+    chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000)
+    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    assert run_rounds(chooser, lambda i: 2 if i % 4 == 3 else 4, 40) == [4] * 40
+    assert chooser.realized_speedup(1, 1.0) > 1.3
+
+
+def test_the_veto_lifts_when_exploring_rounds_pay_again():
+    """Bursty text vetoes speculation; then every drafted token is kept (the text changed):
+    the rounds exploration still tries bring the realized payoff above plain again."""
+    chooser = DraftLengthChooser([4], explore_every=6, max_explore_every=12)
+    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    chosen = run_rounds(chooser, lambda i: bursty(i) if i < 8 else 4, 80)
+    vetoed = next(i for i in range(len(chosen)) if chosen[i : i + 4] == [0] * 4)
+    assert vetoed < 10
+    assert chosen[-24:].count(4) >= 22  # speculating again, a plain step now and then
+
+
+@pytest.mark.parametrize("payoff_rounds", [4, 10**6])
+def test_the_engine_stops_a_draft_the_model_overrates_by_its_wall_time(
+    tiny_llama_dir, tiny_llama_other_dir, payoff_rounds
+):
+    """The chooser's model is misled, as warm-up prices can mislead it: it believes the draft
+    is right 95 % of the time and a K round costs a plain step plus 10 % per drafted token. An
+    unrelated draft as large as the target is almost never right: measured rounds give ~1
+    token per row in several plain steps' time, so after `payoff_rounds` rounds the engine
+    decodes plain; without the check (10**6) it speculates throughout."""
+    engine = draft_engine(tiny_llama_dir, tiny_llama_other_dir)
+    chooser = engine.draft_length.chooser
+    chooser.payoff_rounds = payoff_rounds
+    chooser.accepted, chooser.trials = 0.95e6, 1e6
+    chooser.observe = lambda k, accepted: None  # the model never learns the truth
+    measured_plain = chooser.step_cost
+    chooser.step_cost = lambda b, k, forwards: measured_plain(b, 0, forwards) * (1 + 0.1 * k)
+    engine.generate(varied_prompts(4), SamplingParams(max_new_tokens=48))
+    steps = engine.stats.steps_per_k
+    rounds = sum(n for k, n in steps.items() if k)
+    if payoff_rounds == 4:
+        assert rounds <= 4 + 2 and steps[0] >= 35  # 4 rounds, then a try or two
+    else:
+        assert rounds >= 35
