@@ -203,9 +203,9 @@ class Engine:
             # call built a graph, a second one prices the shape without the build (else a
             # compiled draft's prefill looks like seconds and never pays back).
             prefill_calls = 2 if runner.first_call_builds else 1
-            for b, t, _ in itertools.product(
-                grid.batch_sizes, grid.prompt_lengths, range(prefill_calls)
-            ):
+            packs = {b * t: (b, t) for t in reversed(grid.prompt_lengths) for b in grid.batch_sizes}
+            for total, _ in itertools.product(grid.prefill_lengths, range(prefill_calls)):
+                b, t = packs[total]  # b prompts of t tokens fill the packed length exactly
                 runner.prefill([[0] * t] * b, list(range(b)))
             # Decode shapes take turns, so a busy spell of the host slows one call of each
             # shape rather than all calls of one: their fastest calls compare fairly.

@@ -114,7 +114,7 @@ class ModelProposer:
 
     def prefill_seconds(self, lengths: list[int]) -> float:
         """Recent time of a prefill of prompts of these lengths, for pricing it beforehand."""
-        return self.runner.recent_prefill_seconds(len(lengths), max(lengths)) if lengths else 0.0
+        return self.runner.recent_prefill_seconds(lengths) if lengths else 0.0
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         started = time.perf_counter()

@@ -38,8 +38,8 @@ def _raise_recompile_limit(grid: BucketGrid) -> None:
     import torch._dynamo.config as dynamo
 
     decode_widths = 2 + len(grid.draft_lengths) + len(CATCH_UP_WIDTHS)  # 1, K + 1, catch-up
-    shapes = len(grid.batch_sizes) * (
-        len(grid.prompt_lengths) + len(grid.cache_lengths) * decode_widths
+    shapes = len(grid.prefill_lengths) + len(grid.batch_sizes) * len(grid.cache_lengths) * (
+        decode_widths
     )
     dynamo.recompile_limit += shapes
     dynamo.accumulated_recompile_limit = max(
@@ -155,32 +155,39 @@ class ModelRunner:
             return t * self.recent_seconds_for(b, 1)
         return 1.0
 
-    def recent_prefill_seconds(self, rows: int, longest: int) -> float:
-        """Recent time of the prefill forward that `rows` prompts of up to `longest` tokens use."""
-        b = bucket(self.grid.batch_sizes, rows)
-        t = bucket(self.grid.prompt_lengths, longest)
-        return self.recent_seconds.get(("prefill", b, t, 0), 0.0)
+    def recent_prefill_seconds(self, lengths: list[int]) -> float:
+        """Recent time of the prefill forward that prompts of these lengths use."""
+        t = bucket(self.grid.prefill_lengths, sum(lengths))
+        return self.recent_seconds.get(("prefill", 1, t, 0), 0.0)
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
         """Forward whole prompts into cache `rows` from position 0; logits of each last token.
 
-        Only this forward's keys are attended, so no cache is read and any rows may be filled.
+        The prompts run packed into one sequence [1, T], T their total's bucket: each token
+        writes its own row's cache at its own position and sees only its prompt's earlier
+        tokens, so no cache is read, any rows may be filled, and no prompt pays for another's
+        length. Padding tokens write the scratch row and see only themselves.
         """
-        b = bucket(self.grid.batch_sizes, len(prompts))
-        t = bucket(self.grid.prompt_lengths, max(len(p) for p in prompts))
-        tokens = torch.zeros(b, t, dtype=torch.long)
-        last = torch.zeros(b, 1, dtype=torch.long)
-        for i, prompt in enumerate(prompts):
-            tokens[i, : len(prompt)] = torch.tensor(prompt)
-            last[i, 0] = len(prompt) - 1
-        slots = torch.full((b,), self.cache.scratch_row, dtype=torch.long)
-        slots[: len(rows)] = torch.tensor(rows)
-        positions = torch.arange(t).expand(b, t)
-        mask = self._mask(positions, t)
+        t = bucket(self.grid.prefill_lengths, sum(len(p) for p in prompts))
+        tokens = torch.zeros(1, t, dtype=torch.long)
+        positions = torch.zeros(1, t, dtype=torch.long)
+        slots = torch.full((1, t), self.cache.scratch_row, dtype=torch.long)
+        segments = torch.arange(-1, -t - 1, -1)[None]  # padding: a segment of its own each
+        last = torch.zeros(1, self.grid.max_batch, dtype=torch.long)
+        start = 0
+        for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
+            end = start + len(prompt)
+            tokens[0, start:end] = torch.tensor(prompt)
+            positions[0, start:end] = torch.arange(len(prompt))
+            slots[0, start:end], segments[0, start:end] = row, i
+            last[0, i] = end - 1
+            start = end
+        same_prompt = segments[:, :, None] == segments[:, None, :]
+        mask = (same_prompt & (positions[:, None, :] <= positions[:, :, None]))[:, None]
         with prefilling():
             logits = self._run(
-                ("prefill", b, t, 0),
-                sum(len(p) for p in prompts),
+                ("prefill", 1, t, 0),
+                start,
                 tokens=tokens.to(self.device),
                 positions=positions.to(self.device),
                 rows=slots.to(self.device),
@@ -188,7 +195,7 @@ class ModelRunner:
                 logit_index=last.to(self.device),
                 attend_len=0,
             )
-        return logits[: len(prompts), 0]
+        return logits[0, : len(prompts)]
 
     def decode(
         self,

@@ -75,7 +75,7 @@ def test_no_new_shape_after_warmup_and_bounded_by_grid(tiny_llama_dir):
     engine.warmup()
     warmed = set(engine.target.shapes)
     grid = SMALL_GRID
-    prefill_points = len(grid.batch_sizes) * len(grid.prompt_lengths)
+    prefill_points = len(grid.prefill_lengths)  # packed prompts: one shape per total
     decode_points = len(grid.batch_sizes) * len(grid.cache_lengths)
     assert len(warmed) == prefill_points + decode_points
     prompts = [*varied_prompts(11), "word " * 20]  # 20 + 50 tokens: the second cache bucket
@@ -216,7 +216,7 @@ def test_a_compiled_draft_is_priced_without_its_compile_and_speculates(
 
     engine.target._forward = slow_target_forward
     engine.warmup()
-    assert engine.proposer.runner.recent_prefill_seconds(1, 16) < 0.3
+    assert engine.proposer.runner.recent_prefill_seconds([16]) < 0.3
     engine.generate([SENTENCE], SamplingParams(max_new_tokens=16))
     assert sum(steps for k, steps in engine.stats.steps_per_k.items() if k) > 0
 
