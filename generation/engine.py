@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -66,6 +66,11 @@ class _Row:
     @property
     def generated(self) -> list[int]:
         return self.tokens[self.prompt_len :]
+
+
+def _waste(computed: int, useful: int) -> float | None:
+    """Padded share of the token slots computed; None when none were."""
+    return (computed - useful) / computed if computed else None
 
 
 def _check_seeds(seeds: Sequence[int] | None, prompts: int) -> None:
@@ -168,7 +173,9 @@ class Engine:
         stats.draft_forwards = now["draft_forwards"] - self._base["draft_forwards"]
         computed = now["computed"] - self._base["computed"]
         useful = now["useful"] - self._base["useful"]
-        stats.padding_waste = (computed - useful) / computed if computed else None
+        stats.padding_waste = _waste(computed.total(), useful.total())
+        stats.prefill_padding_waste = _waste(computed["prefill"], useful["prefill"])
+        stats.decode_padding_waste = _waste(computed["decode"], useful["decode"])
         draft = self.proposer.runner
         stats.target_shapes = len(self.target.shapes)
         stats.draft_shapes = len(draft.shapes) if draft else 0
@@ -186,8 +193,8 @@ class Engine:
         return {
             "target_forwards": self.target.forwards,
             "draft_forwards": self.proposer.forwards,
-            "computed": sum(r.computed_slots for r in runners),
-            "useful": sum(r.useful_slots for r in runners),
+            "computed": sum((r.computed_slots for r in runners), Counter()),
+            "useful": sum((r.useful_slots for r in runners), Counter()),
         }
 
     def warmup(self) -> None:

@@ -13,6 +13,8 @@ class EngineStats:
     tokens_generated: int = 0
     prompt_tokens: int = 0
     padding_waste: float | None = None  # padded / computed slots, all forwards; None: none ran
+    prefill_padding_waste: float | None = None  # the same, prefill forwards only
+    decode_padding_waste: float | None = None  # the same, decode and verify forwards only
     batch_bucket_max: int = 0
     target_forwards: int = 0
     draft_forwards: int = 0

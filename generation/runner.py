@@ -66,8 +66,8 @@ class ModelRunner:
         self.busy_seconds = 0.0  # inside forwards, all shapes: the rest of a step is host work
         self.warm_shapes_seconds = 0.0  # inside forwards of warmed-up shapes, since warm-up
         self.warm_shapes_expected = 0.0  # the same forwards at their warm-up times
-        self.computed_slots = 0
-        self.useful_slots = 0
+        self.computed_slots: Counter[str] = Counter()  # token slots run, per phase
+        self.useful_slots: Counter[str] = Counter()  # of them, real tokens of live rows
         self.compiles = 0
         if dtype == torch.bfloat16 and not compile_model:  # inductor picks its own kernels
             bf16_linears_for(model, device)
@@ -122,8 +122,8 @@ class ModelRunner:
         else:  # a moving average, so a reading taken while the host was busy fades out
             self.recent_seconds[key] += 0.25 * (elapsed - self.recent_seconds[key])
         self.shapes[key] += 1
-        self.computed_slots += key[1] * key[2]
-        self.useful_slots += useful
+        self.computed_slots[key[0]] += key[1] * key[2]
+        self.useful_slots[key[0]] += useful
         return logits
 
     def load_mark(self) -> tuple[float, float]:

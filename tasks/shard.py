@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 
 # Metrics columns copied as-is from engine.stats / engine.model_info / engine.draft_kind.
 ENGINE_METRIC_FIELDS = (
-    "prompt_tokens", "padding_waste", "rounds", "proposed", "accepted", "acceptance_rate",
+    "prompt_tokens", "padding_waste", "prefill_padding_waste", "decode_padding_waste", "rounds",
+    "proposed", "accepted", "acceptance_rate",
     "mean_accepted_length", "accepted_per_position", "proposed_per_position", "target_forwards",
     "draft_forwards", "distinct_shapes", "prefill_seconds", "decode_seconds", "draft_seconds",
     "verify_seconds", "target_model", "target_weights_sha256", "draft_model",

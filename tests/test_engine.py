@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from engine_helpers import SENTENCE, SMALL_GRID, engine_for, hf_greedy, varied_prompts
+from engine_helpers import SENTENCE, SMALL_GRID, WORDS, engine_for, hf_greedy, varied_prompts
 
 from generation import Engine
 from generation import runner as runner_module
@@ -132,6 +132,25 @@ def test_stats_account_padding_and_phases(tiny_llama_dir):
     assert stats.target_forwards >= 5
     engine.reset_stats()
     assert engine.stats.tokens_generated == 0 and engine.stats.target_forwards == 0
+
+
+def test_prompts_prefill_packed_paying_only_for_their_total(tiny_llama_dir):
+    """4 prompts of 3-10 tokens (26 in all) prefill as one sequence padded to 32, the grid's
+    next total, where padding each to the longest one's bucket would compute 4 x 16 slots.
+    Their first tokens and continuations are those each prompt gets prefilled alone."""
+    engine = engine_for(tiny_llama_dir)
+    prompts = [" ".join(WORDS[:n]) for n in (3, 10, 5, 8)]
+    lengths = [engine.count_prompt_tokens(p) for p in prompts]
+    total = sum(lengths)
+    packed = min(t for t in SMALL_GRID.prefill_lengths if t >= total)
+    params = SamplingParams(max_new_tokens=6)
+    together = engine.generate(prompts, params)
+    prefills = engine.target.shapes[("prefill", 1, packed, 0)]
+    assert prefills == 1 and engine.stats.prefill_padding_waste == (packed - total) / packed
+    assert packed < len(prompts) * min(t for t in SMALL_GRID.prompt_lengths if t >= max(lengths))
+    assert engine.stats.decode_padding_waste == 0.0  # 4 live rows fill the batch-4 bucket
+    alone = [engine.generate([p], params)[0] for p in prompts]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
 
 
 @pytest.mark.slow
