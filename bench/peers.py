@@ -10,8 +10,11 @@ Batch 1 runs each prompt alone, every contender on a prompt before the next; the
 contender at its best batch: ours at batch 8, vLLM with the set's prompts in one call,
 llama.cpp's `llama-batched-bench` with 8 parallel sequences of the set's mean prompt length
 (its own prompt tokens: decoding speed does not depend on which tokens they are). Medians over
-`--repeats`; ratios against llama.cpp plain from the same run. Prints one JSON object.
-Usage: python bench/peers.py [--quick] [--repeats 1] [--threads 1] [--out FILE]
+`--repeats`; ratios against llama.cpp plain from the same run. Our three engines and vLLM do
+not fit in memory together on a 23 GB host, so vLLM runs in a second phase, once our engines
+are freed, side by side with llama.cpp plain again: its ratios come from that phase. Prints
+one JSON object.
+Usage: python bench/peers.py [--quick] [--prompts 8] [--repeats 1] [--threads 1] [--out FILE]
 """
 
 from __future__ import annotations
