@@ -25,6 +25,7 @@ import json
 import re
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -268,6 +269,8 @@ def time_side_by_side(
             runs[name].append(contender(call))
     for name, done in runs.items():
         timings.record(f"{key}/{name}", done)
+        print(f"{key}/{name}: {timings.rates[f'{key}/{name}'][-1]:.2f} tok/s", file=sys.stderr,
+              flush=True)  # progress: a full run takes most of an hour on one slow core
 
 
 def side_by_side(
