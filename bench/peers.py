@@ -179,13 +179,12 @@ def llama_speculative(
     return run
 
 
-def llama_batched(
-    tools: Path, target: Path, threads: int, max_new_tokens: int, batch: int
-) -> Contender:
-    """`llama-batched-bench`: `batch` sequences of the prompts' mean length prefilled, then
-    decoded together for max_new_tokens each; its total time T covers both."""
+def llama_batched(tools: Path, target: Path, threads: int, max_new_tokens: int) -> Contender:
+    """`llama-batched-bench`: as many sequences as prompts, of their mean length, prefilled,
+    then decoded together for max_new_tokens each; its total time T covers both."""
 
     def run(prompts: list[Prompt]) -> Run:
+        batch = len(prompts)
         prompt_tokens = round(statistics.mean(len(p.ids) for p in prompts))
         output = _llama([
             str(tools / "llama-batched-bench"), "-m", str(target), "-t", str(threads),
@@ -275,18 +274,19 @@ def time_side_by_side(
 
 def side_by_side(
     at_batch_1: dict[str, Contender], at_best_batch: dict[str, Contender],
-    sets: dict[str, list[Prompt]], repeats: int,
+    sets: dict[str, list[Prompt]], repeats: int, solo: int,
 ) -> Timings:
-    """Each contender's first call paid untimed, then per repetition: every set's prompts one
-    at a time, then every set in one call at each contender's best batch."""
+    """Each contender's first call paid untimed, then per repetition: each set's first `solo`
+    prompts one at a time, then each set's prompts in one call (its best batch)."""
     for contender in at_batch_1.values():
         contender(next(iter(sets.values()))[:1])
     timings = Timings({}, {}, {})
     for _ in range(repeats):
         for set_name, prompts in sets.items():
-            time_side_by_side(at_batch_1, f"{set_name}/b1", [[p] for p in prompts], timings)
+            time_side_by_side(at_batch_1, f"{set_name}/b1", [[p] for p in prompts[:solo]],
+                              timings)
         for set_name, prompts in sets.items():
-            time_side_by_side(at_best_batch, f"{set_name}/b{OUR_BEST_BATCH}", [prompts], timings)
+            time_side_by_side(at_best_batch, f"{set_name}/b{len(prompts)}", [prompts], timings)
     return timings
 
 
@@ -300,7 +300,7 @@ def vllm_beside_llama(
         contender = vllm.contender(args.max_new_tokens)
         beside = side_by_side({"llama_plain": llama["b1"], "vllm": contender},
                               {"llama_plain": llama["best"], "vllm": contender},
-                              sets, args.repeats)
+                              sets, args.repeats, args.prompts)
     finally:
         vllm.close()
     return beside, vllm.info
@@ -336,7 +336,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=8,
-                        help="prompts per set: each alone at batch 1, all in the best-batch call")
+                        help="prompts per set run alone at batch 1 (the best-batch call takes "
+                             "all 8)")
     parser.add_argument("--quick", action="store_true", help="2 prompts per set, 16 tokens")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
@@ -354,13 +355,14 @@ def main() -> None:
 
     engines = our_engines(args.threads, [1, OUR_BEST_BATCH])
     tokenizer = engines["ours_bf16_plain"].tokenizer
-    sets = {name: [Prompt(m, *chat_text_and_ids(tokenizer, m)) for m in prompts[:args.prompts]]
+    in_one_call = args.prompts if args.quick else OUR_BEST_BATCH
+    sets = {name: [Prompt(m, *chat_text_and_ids(tokenizer, m)) for m in prompts[:in_one_call]]
             for name, prompts in PROMPT_SETS.items()}
     target_gguf = packaged_gguf(TARGET.path.removeprefix(PACKAGED_PREFIX))
     draft_gguf = packaged_gguf(DRAFT.path.removeprefix(PACKAGED_PREFIX))
     tools, threads, new_tokens = args.llama_bin, args.threads, args.max_new_tokens
     llama = {"b1": llama_plain(tools, target_gguf, threads, new_tokens),
-             "best": llama_batched(tools, target_gguf, threads, new_tokens, OUR_BEST_BATCH)}
+             "best": llama_batched(tools, target_gguf, threads, new_tokens)}
     ours = {name: our_contender(engine, params) for name, engine in engines.items()}
     at_batch_1 = {
         **ours, "llama_plain": llama["b1"],
@@ -370,7 +372,7 @@ def main() -> None:
     at_best_batch = {
         name: ours[name] for name in ("ours_bf16_plain", "ours_bf16_draft_0.5b_int8_auto")
     } | {"llama_plain": llama["best"]}
-    timings = side_by_side(at_batch_1, at_best_batch, sets, args.repeats)
+    timings = side_by_side(at_batch_1, at_best_batch, sets, args.repeats, args.prompts)
     where = machine(engines)
     del engines, ours, at_batch_1, at_best_batch  # vLLM's weights need the memory
     gc.collect()
@@ -402,7 +404,8 @@ def main() -> None:
         "weights": {"gguf": {"target": str(target_gguf), "draft": str(draft_gguf)},
                     "vllm": f"our fp32 conversion of the target GGUF, run as {args.vllm_dtype}"},
         "threads": threads, "max_new_tokens": new_tokens,
-        "prompts_per_set": args.prompts, "repeats": args.repeats, "best_batch": OUR_BEST_BATCH,
+        "batch_1_prompts_per_set": args.prompts, "best_batch_prompts_per_set": in_one_call,
+        "repeats": args.repeats,
         "llama_draft_max": LLAMA_DRAFT_MAX,
         "tokens_per_second": tps,
         "ratios": ratios,
