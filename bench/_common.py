@@ -6,6 +6,7 @@ machine hits all contenders alike; each figure is the median over repetitions.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
@@ -27,6 +28,15 @@ def machine(engines: dict | None = None) -> dict:
         "disabled_kernels": sorted(kernels.disabled_paths()),
         "kernels": {name: e.hardware_info["cpu_kernels"] for name, e in (engines or {}).items()},
     }
+
+
+def decoding_arguments(description: str | None, repeats: int = 3) -> argparse.ArgumentParser:
+    """The options every decoding benchmark takes: repetitions, torch threads, tokens."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    return parser
 
 
 def median_seconds(runs: list[float]) -> float:
@@ -165,8 +175,10 @@ class EngineTimings:
     def same_tokens(self, key: str, other: str) -> list[bool]:
         """Per call: whether `key` gave `other`'s tokens in every repetition."""
         return [
-            all(mine[i] == theirs[i] for mine, theirs in zip(
-                self.tokens[key], self.tokens[other], strict=True))
+            all(
+                mine[i] == theirs[i]
+                for mine, theirs in zip(self.tokens[key], self.tokens[other], strict=True)
+            )
             for i in range(len(self.tokens[key][0]))
         ]
 

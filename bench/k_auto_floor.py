@@ -12,13 +12,12 @@ plain and the lowest one.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 
 import torch
 
-from bench._common import EngineTimings, engine_contender, machine
+from bench._common import EngineTimings, decoding_arguments, engine_contender, machine
 from bench.workloads import PROMPT_SETS, SMOLLM2
 from generation import Engine
 from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams
@@ -49,10 +48,7 @@ def build_engines(threads: int) -> dict[str, Engine]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser = decoding_arguments(__doc__)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)

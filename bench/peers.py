@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import machine
+from bench._common import decoding_arguments, machine
 from bench.qwen_pair import DRAFT, GRID, PROMPT_SETS, TARGET, build_engines
 from generation import Engine
 from generation.loading import packaged_gguf, resolve_model_dir
@@ -331,10 +331,7 @@ def ratios_vs_llama_plain(tps: dict[str, float]) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser = decoding_arguments(__doc__, repeats=1)
     parser.add_argument("--prompts", type=int, default=8,
                         help="prompts per set run alone at batch 1 (the best-batch call takes "
                              "all 8)")

@@ -12,7 +12,6 @@ Usage: python bench/qwen_pair.py [--repeats 3] [--threads 1] [--max-new-tokens 6
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import json
@@ -20,7 +19,14 @@ import statistics
 
 import torch
 
-from bench._common import EngineTimings, engine_contender, hf_contender, hf_generate, machine
+from bench._common import (
+    EngineTimings,
+    decoding_arguments,
+    engine_contender,
+    hf_contender,
+    hf_generate,
+    machine,
+)
 from generation import Engine
 from generation.loading import DTYPES, load_model, load_tokenizer, resolve_model_dir
 from generation.proposers import ModelProposer, PromptLookupProposer
@@ -144,10 +150,7 @@ def build_engines(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser = decoding_arguments(__doc__)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--solo-prompts", type=int, default=8,
                         help="batch 1 runs this many of each set's prompts, one at a time")

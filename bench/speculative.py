@@ -9,7 +9,6 @@ Usage: python bench/speculative.py [--repeats 3] [--threads 1] [--max-new-tokens
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import statistics
@@ -18,6 +17,7 @@ import torch
 
 from bench._common import (
     EngineTimings,
+    decoding_arguments,
     engine_contender,
     hf_contender,
     load_hf_smollm2,
@@ -41,10 +41,7 @@ ENGINES = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser = decoding_arguments(__doc__)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
