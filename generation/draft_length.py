@@ -247,7 +247,7 @@ class DraftLengthChooser:
         max_explore_every: int = 48,
         decay: float = 0.9,
         prior_alpha: float = 0.7,
-        explore_budget: float = 0.05,
+        explore_budget: float = 0.02,  # tries cost <= 2 % of plain time: >= 0.97x plain
         carried_trials: float = 4.0,
         payoff_rounds: int = 4,
         payoff_decay: float = 0.8,

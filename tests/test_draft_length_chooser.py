@@ -120,7 +120,9 @@ def test_a_skipped_draft_catches_up_exactly(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(chooser, "choose", lambda *args: 0 if next(steps) < 110 else 2)
     completions = engine.generate(prompts, params)
     assert [c.token_ids for c in completions] == [c.token_ids for c in plain]
-    assert engine.stats.steps_per_k[2] > 0 and engine.stats.acceptance_rate == 1.0
+    # The round stopper, priced by measured times, may draft on past K=2: any round counts.
+    assert sum(n for k, n in engine.stats.steps_per_k.items() if k) > 0
+    assert engine.stats.acceptance_rate == 1.0
     assert set(engine.proposer.runner.shapes) == draft_shapes
 
 
