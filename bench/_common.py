@@ -7,10 +7,12 @@ machine hits all contenders alike; each figure is the median over repetitions.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -37,6 +39,14 @@ def decoding_arguments(description: str | None, repeats: int = 3) -> argparse.Ar
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     return parser
+
+
+def print_result(result: dict, out: Path | None) -> None:
+    """A benchmark's JSON on stdout, and in `out` too when given (a results file)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    if out:
+        out.write_text(text + "\n")
 
 
 def median_seconds(runs: list[float]) -> float:

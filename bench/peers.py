@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench._common import decoding_arguments, machine
+from bench._common import decoding_arguments, machine, print_result
 from bench.qwen_pair import DRAFT, GRID, PROMPT_SETS, TARGET, build_engines
 from generation import Engine
 from generation.loading import packaged_gguf, resolve_model_dir
@@ -414,10 +414,7 @@ def main() -> None:
         "llama_details": {key: value for key, value in timings.details.items() if value},
         "seconds": round(time.perf_counter() - started),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_result(result, args.out)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 import jsonschema
 import torch
 
-from bench._common import EngineTimings, machine, rounded, timed
+from bench._common import EngineTimings, machine, print_result, rounded, timed
 from bench.grammar_libraries import SCHEMA, TEXTS
 from bench.workloads import SMOLLM2
 from generation import Engine
@@ -283,10 +283,7 @@ def main() -> None:
     for model in args.models:
         result["models"][model] = run_model(model, args)
     result["wall_seconds"] = round(time.perf_counter() - started, 1)
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        args.out.write_text(text + "\n")
+    print_result(result, args.out)
 
 
 if __name__ == "__main__":
