@@ -1,11 +1,12 @@
-"""Prefill: prompts packed into one sequence vs each padded to the longest one's bucket.
+"""Prefill: each prompt in its own bucket vs each padded to the longest one's bucket.
 
-The engine prefills the prompts it admits together, packed into one [1, T] sequence (T: the
-next grid total). Before, a [b, t] prefill padded every prompt to the longest one's prompt
-bucket; here that layout is replayed as the same packed call with each prompt filled to that
-bucket, so both run the same kernels and only the padded tokens differ. Qwen2.5-Coder-1.5B
+The engine prefills every admitted prompt alone, padded to its own prompt bucket (a [b, t]
+prefill padded every prompt to the longest one's). Here that layout is replayed as the same
+calls with each prompt filled to the longest one's bucket, so both run the same kernels and
+only the padded tokens differ. (Results dated 2026-12-06 measured a packed layout, all
+prompts in one sequence, since replaced: its rounding depended on the batch.) Qwen2.5-Coder-1.5B
 (`make models`; else SmolLM2), the code and free-text prompts of bench/qwen_pair.py, chat
-template applied, batch 8, and each prompt alone (prompt tokens per second, what llama.cpp's
+template applied, 8 at once, and each alone (prompt tokens per second, what llama.cpp's
 "prompt eval" reports). Calls alternate; medians. Prints JSON.
 
     python bench/prefill.py [--repeats 5] [--threads 1] [--model packaged:...]
@@ -57,7 +58,7 @@ def main() -> None:
     calls = {}
     for name, prompts in sets.items():
         batch = prompts[: GRID.max_batch]
-        calls[f"{name}/b{len(batch)}/packed"] = [batch]
+        calls[f"{name}/b{len(batch)}/own_bucket"] = [batch]
         calls[f"{name}/b{len(batch)}/padded"] = [padded_to_longest(batch, GRID.prompt_lengths)]
         calls[f"{name}/b1/alone"] = [[p] for p in prompts]
     useful = {key: sum(len(p) for p in sets[key.split("/")[0]][: len(call[0]) * len(call)])
@@ -77,11 +78,11 @@ def main() -> None:
         "model": target.path,
         "repeats": args.repeats,
         "prompt_tokens": {name: [len(p) for p in prompts] for name, prompts in sets.items()},
-        "prefill_lengths": GRID.prefill_lengths,
+        "prompt_lengths": GRID.prompt_lengths,
         "median_seconds": {key: round(value, 3) for key, value in median.items()},
         "prompt_tokens_per_second": rate,
-        "packed_vs_padded": {
-            name: round(median[f"{name}/b8/padded"] / median[f"{name}/b8/packed"], 2)
+        "own_bucket_vs_padded": {
+            name: round(median[f"{name}/b8/padded"] / median[f"{name}/b8/own_bucket"], 2)
             for name in sets
         },
     }, indent=2))  # fmt: skip

@@ -210,10 +210,8 @@ class Engine:
             # call built a graph, a second one prices the shape without the build (else a
             # compiled draft's prefill looks like seconds and never pays back).
             prefill_calls = 2 if runner.first_call_builds else 1
-            packs = {b * t: (b, t) for t in reversed(grid.prompt_lengths) for b in grid.batch_sizes}
-            for total, _ in itertools.product(grid.prefill_lengths, range(prefill_calls)):
-                b, t = packs[total]  # b prompts of t tokens fill the packed length exactly
-                runner.prefill([[0] * t] * b, list(range(b)))
+            for t, _ in itertools.product(grid.prompt_lengths, range(prefill_calls)):
+                runner.prefill([[0] * t], [0])  # prompts prefill one by one: [1, t] shapes
             # Decode shapes take turns, so a busy spell of the host slows one call of each
             # shape rather than all calls of one: their fastest calls compare fairly.
             for _, b, t, s in itertools.product(

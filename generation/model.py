@@ -277,7 +277,7 @@ class CausalLM(nn.Module):
         self,
         tokens: torch.Tensor,  # [b, t]
         positions: torch.Tensor,  # [b, t] absolute position of each token
-        rows: torch.Tensor,  # [b] cache row of each batch entry, or [b, t] of each token
+        rows: torch.Tensor,  # [b] cache row of each batch entry
         mask: torch.Tensor,  # [b, 1, t, keys] bool: causal visibility (windows applied here)
         logit_index: torch.Tensor,  # [b, n] which of the t positions need logits
         cache: KVCache,
@@ -287,12 +287,8 @@ class CausalLM(nn.Module):
         cos = self.rope_cos[positions].unsqueeze(1).to(x.dtype)
         sin = self.rope_sin[positions].unsqueeze(1).to(x.dtype)
         heads = torch.arange(self.config.num_kv_heads, device=tokens.device)
-        token_rows = rows[:, None, :] if rows.dim() == 2 else rows[:, None, None]
-        write_index = (token_rows, heads[None, :, None], positions[:, None, :])
-        # The keys a query may see: this forward's own tokens (a prefill) or the cache prefix.
-        key_positions = positions if attend_len == 0 else torch.arange(
-            mask.shape[-1], device=mask.device).expand(positions.shape[0], -1)
-        masks = {False: mask, True: self._windowed(mask, positions, key_positions)}
+        write_index = (rows[:, None, None], heads[None, :, None], positions[:, None, :])
+        masks = {False: mask, True: self._windowed(mask, positions)}
         layers = zip(self.model.layers, cache.keys, cache.values, self.config.sliding_layers,
                      strict=True)
         for layer, keys, values, sliding in layers:
@@ -300,14 +296,13 @@ class CausalLM(nn.Module):
         x = torch.gather(x, 1, logit_index[..., None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self.model.norm(x)).float()
 
-    def _windowed(
-        self, mask: torch.Tensor, positions: torch.Tensor, key_positions: torch.Tensor
-    ) -> torch.Tensor:
-        """`mask` limited to keys within the last sliding_window positions of each query."""
+    def _windowed(self, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """`mask` limited to the last sliding_window positions (cache index == position)."""
         window = self.config.sliding_window
         if window is None or not any(self.config.sliding_layers):
             return mask
-        return mask & (key_positions[:, None, None, :] > positions[:, None, :, None] - window)
+        keys = torch.arange(mask.shape[-1], device=mask.device)
+        return mask & (keys > positions[:, None, :, None] - window)
 
     def to_dtype(self, dtype: torch.dtype) -> CausalLM:
         """Cast weights, keeping the RoPE tables in fp32 (positions need the precision)."""

@@ -38,7 +38,7 @@ def _raise_recompile_limit(grid: BucketGrid) -> None:
     import torch._dynamo.config as dynamo
 
     decode_widths = 2 + len(grid.draft_lengths) + len(CATCH_UP_WIDTHS)  # 1, K + 1, catch-up
-    shapes = len(grid.prefill_lengths) + len(grid.batch_sizes) * len(grid.cache_lengths) * (
+    shapes = len(grid.prompt_lengths) + len(grid.batch_sizes) * len(grid.cache_lengths) * (
         decode_widths
     )
     dynamo.recompile_limit += shapes
@@ -156,46 +156,40 @@ class ModelRunner:
         return 1.0
 
     def recent_prefill_seconds(self, lengths: list[int]) -> float:
-        """Recent time of the prefill forward that prompts of these lengths use."""
-        t = bucket(self.grid.prefill_lengths, sum(lengths))
-        return self.recent_seconds.get(("prefill", 1, t, 0), 0.0)
+        """Recent time of prefilling prompts of these lengths (each its own forward)."""
+        buckets = [bucket(self.grid.prompt_lengths, n) for n in lengths]
+        return sum(self.recent_seconds.get(("prefill", 1, t, 0), 0.0) for t in buckets)
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
-        """Forward whole prompts into cache `rows` from position 0; logits of each last token.
+        """Forward each prompt alone into its cache row from position 0, padded to its own
+        prompt bucket; logits of each last token [len(prompts), vocab].
 
-        The prompts run packed into one sequence [1, T], T their total's bucket: each token
-        writes its own row's cache at its own position and sees only its prompt's earlier
-        tokens, so no cache is read, any rows may be filled, and no prompt pays for another's
-        length. Padding tokens write the scratch row and see only themselves.
+        Alone, so no prompt pays for the longest one's bucket, and a prompt's cache and logits
+        never depend on what it was admitted with: oneDNN's packed bf16 GEMM rounds a row
+        differently with the number of rows in the call (0.008 at 96 vs 384 rows on Qwen
+        1.5B), which made a record's tokens depend on its batch. Only this forward's keys are
+        attended, so no cache is read and any row may be filled.
         """
-        t = bucket(self.grid.prefill_lengths, sum(len(p) for p in prompts))
+        return torch.cat([self._prefill_one(prompt, row) for prompt, row in zip(
+            prompts, rows, strict=True)])
+
+    def _prefill_one(self, prompt: list[int], row: int) -> torch.Tensor:
+        t = bucket(self.grid.prompt_lengths, len(prompt))
         tokens = torch.zeros(1, t, dtype=torch.long)
-        positions = torch.zeros(1, t, dtype=torch.long)
-        slots = torch.full((1, t), self.cache.scratch_row, dtype=torch.long)
-        segments = torch.arange(-1, -t - 1, -1)[None]  # padding: a segment of its own each
-        last = torch.zeros(1, self.grid.max_batch, dtype=torch.long)
-        start = 0
-        for i, (prompt, row) in enumerate(zip(prompts, rows, strict=True)):
-            end = start + len(prompt)
-            tokens[0, start:end] = torch.tensor(prompt)
-            positions[0, start:end] = torch.arange(len(prompt))
-            slots[0, start:end], segments[0, start:end] = row, i
-            last[0, i] = end - 1
-            start = end
-        same_prompt = segments[:, :, None] == segments[:, None, :]
-        mask = (same_prompt & (positions[:, None, :] <= positions[:, :, None]))[:, None]
+        tokens[0, : len(prompt)] = torch.tensor(prompt)
+        positions = torch.arange(t)[None]
         with prefilling():
             logits = self._run(
                 ("prefill", 1, t, 0),
-                start,
+                len(prompt),
                 tokens=tokens.to(self.device),
                 positions=positions.to(self.device),
-                rows=slots.to(self.device),
-                mask=mask.to(self.device),
-                logit_index=last.to(self.device),
+                rows=torch.tensor([row]).to(self.device),
+                mask=self._mask(positions, t).to(self.device),
+                logit_index=torch.tensor([[len(prompt) - 1]]).to(self.device),
                 attend_len=0,
             )
-        return logits[0, : len(prompts)]
+        return logits[:, 0].clone()  # a graph's output buffer: the next call reuses it
 
     def decode(
         self,

@@ -167,13 +167,6 @@ class BucketGrid(StrictModel):
         return self.cache_lengths[-1]
 
     @property
-    def prefill_lengths(self) -> list[int]:
-        """Token counts a prefill forward is padded to: the admitted prompts run packed into
-        one sequence, so they pay for their total, not each for the longest one's bucket.
-        Every batch x prompt size: as many shapes as padded [b, t] prefills had."""
-        return sorted({b * t for b in self.batch_sizes for t in self.prompt_lengths})
-
-    @property
     def max_context(self) -> int:
         """Prompt + generated tokens a row may reach: the largest cache bucket, less room for
         the widest verify round (kept with or without a draft, so both stop at one length)."""

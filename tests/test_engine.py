@@ -75,7 +75,7 @@ def test_no_new_shape_after_warmup_and_bounded_by_grid(tiny_llama_dir):
     engine.warmup()
     warmed = set(engine.target.shapes)
     grid = SMALL_GRID
-    prefill_points = len(grid.prefill_lengths)  # packed prompts: one shape per total
+    prefill_points = len(grid.prompt_lengths)  # prompts prefill one by one: [1, t]
     decode_points = len(grid.batch_sizes) * len(grid.cache_lengths)
     assert len(warmed) == prefill_points + decode_points
     prompts = [*varied_prompts(11), "word " * 20]  # 20 + 50 tokens: the second cache bucket
@@ -134,20 +134,17 @@ def test_stats_account_padding_and_phases(tiny_llama_dir):
     assert engine.stats.tokens_generated == 0 and engine.stats.target_forwards == 0
 
 
-def test_prompts_prefill_packed_paying_only_for_their_total(tiny_llama_dir):
-    """4 prompts of 3-10 tokens (26 in all) prefill as one sequence padded to 32, the grid's
-    next total, where padding each to the longest one's bucket would compute 4 x 16 slots.
-    Their first tokens and continuations are those each prompt gets prefilled alone."""
+def test_each_prompt_prefills_alone_in_its_own_bucket(tiny_llama_dir):
+    """4 prompts of 3-10 tokens admitted together prefill one by one, each padded to its own
+    prompt bucket (16 here), not to the longest one's; their tokens are those each prompt
+    gets admitted alone."""
     engine = engine_for(tiny_llama_dir)
     prompts = [" ".join(WORDS[:n]) for n in (3, 10, 5, 8)]
     lengths = [engine.count_prompt_tokens(p) for p in prompts]
-    total = sum(lengths)
-    packed = min(t for t in SMALL_GRID.prefill_lengths if t >= total)
+    buckets = [min(t for t in SMALL_GRID.prompt_lengths if t >= n) for n in lengths]
     params = SamplingParams(max_new_tokens=6)
     together = engine.generate(prompts, params)
-    prefills = engine.target.shapes[("prefill", 1, packed, 0)]
-    assert prefills == 1 and engine.stats.prefill_padding_waste == (packed - total) / packed
-    assert packed < len(prompts) * min(t for t in SMALL_GRID.prompt_lengths if t >= max(lengths))
+    assert engine.stats.prefill_padding_waste == 1 - sum(lengths) / sum(buckets)
     assert engine.stats.decode_padding_waste == 0.0  # 4 live rows fill the batch-4 bucket
     alone = [engine.generate([p], params)[0] for p in prompts]
     assert [c.token_ids for c in together] == [c.token_ids for c in alone]

@@ -6,6 +6,7 @@ out); a stale input or output buffer would change the tokens."""
 from __future__ import annotations
 
 import pytest
+import torch
 from engine_helpers import engine_for, varied_prompts
 
 from generation import runner as runner_module
@@ -59,8 +60,8 @@ def test_a_shape_first_met_while_generating_returns_its_own_logits(graphs_on_cpu
 
 def test_a_replay_returns_the_graphs_static_output(graphs_on_cpu, tiny_llama_dir):
     runner = engine_for(tiny_llama_dir, cuda_graphs=True).target
-    first = runner.prefill([[5, 6, 7]], [0])
-    second = runner.prefill([[8, 9]], [1])
+    first = runner.decode(torch.tensor([[5]]), torch.tensor([3]), 1)
+    second = runner.decode(torch.tensor([[8]]), torch.tensor([2]), 1)
     assert first.data_ptr() == second.data_ptr() and runner.graph_captures == 1
 
 
