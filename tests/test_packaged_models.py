@@ -114,3 +114,26 @@ def test_qwen_pair_greedy_equals_transformers(name):
         with torch.no_grad():
             expected = reference.generate(ids, max_new_tokens=16, do_sample=False)[0, ids.shape[1]:]
         assert completion.token_ids == expected.tolist(), (prompt, completion.text)
+
+
+@pytest.mark.models
+@pytest.mark.slow
+@pytest.mark.skipif(not pair_installed(), reason="Qwen2.5-Coder pair not installed: make models")
+def test_qwen_bf16_records_are_the_same_in_a_batch_as_alone():
+    """oneDNN's packed bf16 GEMM rounds a row differently with the rows in the call, so a
+    record's prefill must not share its forward: 4 code prompts in one batch decode the
+    tokens each decodes alone (with prompts prefilled together, 2 of these 4 did not)."""
+    from bench.qwen_pair import CODE
+    from generation import Engine
+    from schemas import EngineConfig, SamplingParams
+
+    engine = Engine.from_config(EngineConfig(
+        target={"path": "packaged:qwen2.5-coder-1.5b-instruct", "dtype": "bfloat16"},
+        device="cpu", bucket_grid={"batch_sizes": [1, 4], "prompt_lengths": [32, 64, 96, 128],
+                                   "cache_lengths": [256], "draft_lengths": [2]},
+    ))
+    prompts = CODE[:4]  # the Qwen bench's code prompts: 2 of them showed it
+    params = SamplingParams(max_new_tokens=48)
+    together = engine.generate(prompts, params)
+    alone = [engine.generate([prompt], params)[0] for prompt in prompts]
+    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
