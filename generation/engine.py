@@ -267,8 +267,7 @@ class Engine:
             batch = slots[: step_width(slots, self.grid.batch_sizes)]
             k, switch_seconds = self.draft_length.choose(self._step_rows(batch, params))
             forwards_before, step_started = self._forward_seconds(), time.perf_counter()
-            live = [row for row in batch if row]
-            tokens_before = sum(len(row.generated) for row in live)
+            live, tokens_before = sum(1 for row in batch if row), self._stats.tokens_generated
             k = self._step(batch, k, params)
             seconds = time.perf_counter() - step_started
             self._stats.record_step(k)
@@ -276,9 +275,9 @@ class Engine:
                 self.draft_length.observe_step(
                     len(batch), k, seconds, self._forward_seconds() - forwards_before
                 )
-            tokens = sum(len(row.generated) for row in live) - tokens_before
+            tokens = self._stats.tokens_generated - tokens_before
             self.draft_length.observe_payoff(
-                len(batch), k, max(seconds - switch_seconds, 0.0), tokens / len(live)
+                len(batch), k, max(seconds - switch_seconds, 0.0), tokens / live
             )
             self._collect(slots, results, params)
         self._record_plain_estimate(admitted, load_mark)
