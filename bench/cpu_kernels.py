@@ -1,11 +1,14 @@
 """The CPU linear kernel paths side by side on a Qwen model, per decode shape and a prefill:
 oneDNN-packed bf16 (where this CPU runs it), the bf16 fallback (fp32 compute, as on a CPU
-without AVX-512 BF16), and fp32 as the reference.
+without AVX-512 BF16), fp32 as the reference, and the row-exact forms a target runs of the
+fp32 and fallback paths (`*_row_exact`: oneDNN's prepacked fp32, 1 row padded to 2) beside
+MKL's F.linear that a draft runs. `--paths` picks some (each holds a copy of the weights).
+Run it under AVX2_CAPS (tests/test_portability.py) for an AVX2 CPU's MKL and oneDNN code.
 
 One process, one thread; the runners hold copies of the same weights and take turns, one
 set of shapes each, so machine drift hits all of them; medians. Prints JSON naming the CPU;
 commit it under bench/results/.
-Usage: python bench/cpu_kernels.py [--repeats 9] [--model target|draft]
+Usage: python bench/cpu_kernels.py [--repeats 9] [--model target|draft] [--paths fp32 ...]
 """
 
 from __future__ import annotations
@@ -42,16 +45,27 @@ def timings(runner: ModelRunner) -> dict[str, float]:
     return times
 
 
-def runners(spec) -> dict[str, ModelRunner]:
+PATHS = ["fp32", "fp32_row_exact", "bf16_packed", "bf16_fallback", "bf16_fallback_row_exact"]
+
+
+def runners(spec, paths: list[str]) -> dict[str, ModelRunner]:
     """name -> a runner on its own copy of the weights, its linears as the name says."""
     cpu = torch.device("cpu")
     fp32 = load_model(spec.model_copy(update={"dtype": "float32"}), GRID.max_cache, cpu).model
-    bf16 = copy.deepcopy(fp32).to_dtype(torch.bfloat16)
-    built = {"fp32": ModelRunner(fp32, GRID, cpu, torch.float32)}
-    if kernels.packed_bf16().available:
-        built["bf16_packed"] = ModelRunner(copy.deepcopy(bf16), GRID, cpu, torch.bfloat16)
-    with kernels.disabled(kernels.ONEDNN_PACKED_BF16):  # the fallback, as on an AVX2 CPU
-        built["bf16_fallback"] = ModelRunner(copy.deepcopy(bf16), GRID, cpu, torch.bfloat16)
+    bf16 = copy.deepcopy(fp32).to_dtype(torch.bfloat16) if any("bf16" in p for p in paths) \
+        else None
+    built = {}
+    for path in paths:
+        exact = path.endswith("_row_exact")
+        if path.startswith("fp32"):
+            built[path] = ModelRunner(copy.deepcopy(fp32), GRID, cpu, torch.float32,
+                                      exact_rows=exact)
+        elif path == "bf16_packed" and kernels.packed_bf16().available:
+            built[path] = ModelRunner(copy.deepcopy(bf16), GRID, cpu, torch.bfloat16)
+        elif path.startswith("bf16_fallback"):
+            with kernels.disabled(kernels.ONEDNN_PACKED_BF16):  # as on an AVX2 CPU
+                built[path] = ModelRunner(copy.deepcopy(bf16), GRID, cpu, torch.bfloat16,
+                                          exact_rows=exact)
     return built
 
 
@@ -59,10 +73,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--model", choices=["target", "draft"], default="target")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=PATHS[:1] + PATHS[2:4])
     args = parser.parse_args()
     torch.set_num_threads(1)
     spec = TARGET if args.model == "target" else DRAFT
-    built = runners(spec)
+    built = runners(spec, args.paths)
     for runner in built.values():  # first calls pay one-time set-up
         timings(runner)
     times: dict[str, dict[str, list[float]]] = {name: {} for name in built}
@@ -72,15 +87,16 @@ def main() -> None:
                 times[name].setdefault(shape, []).append(seconds)
     ms = {name: {shape: round(statistics.median(v) * 1e3, 1) for shape, v in by_shape.items()}
           for name, by_shape in times.items()}
+    first = next(iter(ms.values()))
     result = {
         "machine": machine(),
         "model": spec.path,
         "repeats": args.repeats,
         "kernels": {name: runner.kernels for name, runner in built.items()},
         "forward_ms": ms,
-        "over_fp32": {
-            name: {shape: round(ms[name][shape] / ms["fp32"][shape], 3) for shape in ms["fp32"]}
-            for name in ms if name != "fp32"
+        "over_first": {  # each path's time over the first path's, per shape
+            name: {shape: round(ms[name][shape] / first[shape], 3) for shape in first}
+            for name in list(ms)[1:]
         },
     }
     print(json.dumps(result, indent=2))

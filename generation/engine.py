@@ -100,7 +100,7 @@ class Engine:
         self.tokenizer = target.tokenizer
         self.target = ModelRunner(
             target.model, self.grid, device, DTYPES[config.target.dtype], config.compile,
-            config.hpu_graphs, config.cuda_graphs,
+            config.hpu_graphs, config.cuda_graphs, exact_rows=True,
         )
         self.proposer = proposer or NoProposer()
         self.draft_length: DraftLengthPolicy = policy_for(config, self.target, self.proposer)

@@ -34,7 +34,7 @@ from torch import nn
 from generation import kernels
 from generation.model import FUSED, CausalLM
 from generation.packing import Fp32ComputeLinear
-from generation.quantize import in_prefill
+from generation.phase import in_prefill
 
 log = logging.getLogger("corpusgen.int4")
 

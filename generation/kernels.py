@@ -22,7 +22,7 @@ import logging
 import os
 import platform
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +35,8 @@ ONEDNN_PACKED_BF16 = "onednn-packed-bf16"  # private op, prepacked once: measure
 FBGEMM_INT8 = "fbgemm-int8"  # dynamic W8A8 linears of int8 drafts
 INT_MM = "int-mm"  # exact int8 x int8 -> int32 GEMM of int8 targets
 INT4PACK_MM = "int4pack-mm"  # 4-bit group-wise weights x bf16 rows, each row alone
-FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, INT_MM, INT4PACK_MM)
+ONEDNN_PACKED_FP32 = "onednn-packed-fp32"  # a target's fp32 linears: one rounding from 2 rows on
+FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, INT_MM, INT4PACK_MM, ONEDNN_PACKED_FP32)
 
 
 class KernelUnavailable(RuntimeError):
@@ -195,6 +196,50 @@ def int4pack_mm() -> Probe:
         return close and torch.equal(alone, out[4:])
 
     return _reported(INT4PACK_MM, _tried(INT4PACK_MM, attempt))
+
+
+def rows_round_alike(
+    product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, row_counts: Sequence[int]
+) -> bool:
+    """Whether `product` gives a row the same bits in a call of any of `row_counts` rows: the
+    first and the last row of each call against that row in a call of the fewest rows (x needs
+    max + min rows). A GEMM library picks its kernel, and so its summation order, by the row
+    count: MKL's sgemm has a GEMV for 1 row and other kernels for 2-15 and 16+ rows on AVX-512,
+    and for 1, 2, 3, 4-48 and 64+ on AVX2, which would make a record depend on its batch."""
+    fewest = min(row_counts)
+    for rows in row_counts:
+        out = product(x[:rows])
+        for row in (0, rows - 1):
+            if not torch.equal(out[row], product(x[row : row + fewest])[0]):
+                return False
+    return True
+
+
+PROBE_ROWS = (2, 3, 4, 5, 8, 15, 16, 40, 56, 72)  # 1 + K and (1 + K) * batch of usual grids
+
+
+@_probe
+def packed_fp32() -> Probe:
+    """oneDNN's prepacked fp32 linear: close to F.linear, and from 2 rows on one rounding
+    whatever the row count (measured at 2-72 rows with AVX-512 and with AVX2), where MKL's
+    sgemm behind F.linear changes kernel with the rows in the call."""
+
+    def attempt() -> bool:
+        ops = torch.ops.mkldnn
+        if not (torch.backends.mkldnn.is_available() and hasattr(ops, "_reorder_linear_weight")):
+            raise RuntimeError("this torch build has no oneDNN prepacked linear")
+        generator = torch.Generator().manual_seed(0)
+        weight = torch.randn(48, 256, generator=generator)
+        x = torch.randn(PROBE_ROWS[-1] + PROBE_ROWS[0], 256, generator=generator)
+        packed = ops._reorder_linear_weight(weight, 1)
+
+        def product(rows: torch.Tensor) -> torch.Tensor:
+            return ops._linear_pointwise(rows, packed, None, "none", [], "")
+
+        close = torch.allclose(product(x[:5]), F.linear(x[:5], weight), rtol=1e-4, atol=1e-4)
+        return close and rows_round_alike(product, x, PROBE_ROWS)
+
+    return _reported(ONEDNN_PACKED_FP32, _tried(ONEDNN_PACKED_FP32, attempt))
 
 
 def require(probe: Probe, what: str, instead: str) -> None:

@@ -7,12 +7,15 @@ Weights keep Hugging Face's parameter names and load straight from the checkpoin
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from generation import kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -142,25 +145,67 @@ class RMSNorm(nn.Module):
 
 
 FEW_QUERIES = 12  # decode and verify widths up to this use few_query_attention on CPU
+KEY_BLOCK = 128  # keys per p.v product: one GEMM K-block in any BLAS
 
 
-def few_query_attention(q, keys, values, mask) -> torch.Tensor:
+def few_query_attention(q, keys, values, mask, fold: bool = True) -> torch.Tensor:
     """softmax(q k^T / sqrt(d)) v over a cache prefix, in fp32, for a few query tokens per row.
 
-    Each KV head's query heads are folded into one [g * t, d] matrix, so grouped-query
-    attention is two plain batched GEMMs. On CPU, SDPA's masked path costs more than the
+    Each KV head's query heads and tokens are folded into one [g * t, d] matrix, so grouped-
+    query attention is two plain batched GEMMs. On CPU, SDPA's masked path costs more than the
     arithmetic here (bf16, 1 thread, 384 keys, one Qwen 1.5B layer): 0.97 vs 0.12 ms at
-    [1, 1], 7.8 vs 3.9 ms at [8, 1] (whole 1.5B step 577 -> 379 ms; 0.5B int8 draft step
-    165 -> 60 ms). Wider calls (catch-up, prefill) keep SDPA, which wins from ~16 queries.
+    [1, 1], 7.8 vs 3.9 ms at [8, 1]. Wider calls (catch-up, prefill) keep SDPA, which wins from
+    ~16 queries.
+
+    A target's token must not round differently with its call: p.v sums the keys in blocks of
+    KEY_BLOCK, in order, so keys past a row's length add exact zeros whatever the cache bucket
+    (MKL splits one long sum by its length: over the same 300 keys a 512- and a 1024-key bucket
+    round apart on AVX-512). And where the GEMMs round a row differently with g rows than with
+    g * (K + 1) (`queries_fold_alike`), `fold=False` takes each token as its own pair of GEMMs,
+    a decode's shapes: exact, at the price of reading the keys once per token.
     """
     b, h, t, d = q.shape
+    if not fold and t > 1:
+        tokens = [few_query_attention(q[:, :, i : i + 1], keys, values, mask[:, :, i : i + 1])
+                  for i in range(t)]
+        return torch.cat(tokens, dim=2)
     kv = keys.shape[1]
     groups = h // kv
     folded = q.reshape(b, kv, groups * t, d).float()
-    scores = torch.matmul(folded, keys.float().transpose(-1, -2)).view(b, kv, groups, t, -1)
+    scores = _scores(folded, keys.float()).view(b, kv, groups, t, -1)
     scores = scores.mul_(d**-0.5).masked_fill_(~mask[:, :, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).view(b, kv, groups * t, -1)
-    return torch.matmul(probs, values.float()).view(b, h, t, d).to(q.dtype)
+    return _mixed_values(probs, values.float()).view(b, h, t, d).to(q.dtype)
+
+
+def _scores(queries: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(queries, keys.transpose(-1, -2))
+
+
+def _mixed_values(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """probs @ values, summed over the keys in blocks of KEY_BLOCK, in order."""
+    out = torch.matmul(probs[..., :KEY_BLOCK], values[..., :KEY_BLOCK, :])
+    for start in range(KEY_BLOCK, values.shape[-2], KEY_BLOCK):
+        end = start + KEY_BLOCK
+        out += torch.matmul(probs[..., start:end], values[..., start:end, :])
+    return out
+
+
+@functools.cache
+def queries_fold_alike(groups: int, head_dim: int, widths: tuple[int, ...]) -> bool:
+    """Whether few_query_attention's two GEMMs, as it calls them, give a query head's row the
+    same bits among `groups * w` rows for every token width w (1 for decode, K + 1 for verify)
+    on this CPU. Measured on the Xeon with AVX-512 MKL: yes for Qwen's 6 and 7 heads per KV
+    head x 128 dims and SmolLM2's 3 x 64, no for 3 x 128 or 1-2 heads; with AVX2 code only for
+    Qwen 1.5B's 6 x 128."""
+    generator = torch.Generator().manual_seed(0)
+    rows = [groups * w for w in widths]
+    queries = torch.randn(max(rows) + min(rows), head_dim, generator=generator)
+    probs = torch.randn(len(queries), 3 * KEY_BLOCK, generator=generator)
+    keys, values = torch.randn(2, 1, 1, 3 * KEY_BLOCK, head_dim, generator=generator)
+    return kernels.rows_round_alike(lambda r: _scores(r[None, None], keys)[0, 0], queries, rows) \
+        and kernels.rows_round_alike(lambda r: _mixed_values(r[None, None], values)[0, 0], probs,
+                                     rows)
 
 
 class Attention(nn.Module):
@@ -171,6 +216,7 @@ class Attention(nn.Module):
         # q, k and v in one GEMM: one weight read and one kernel launch instead of three.
         self.qkv_proj = nn.Linear(config.hidden_size, (h + 2 * kv) * d, bias=config.attention_bias)
         self.o_proj = nn.Linear(h * d, config.hidden_size, bias=config.output_bias)
+        self.fold_queries = True  # False: a target's verify attends token by token (above)
 
     def forward(self, x, cos, sin, mask, cache_k, cache_v, write_index, attend_len):
         b, t, _ = x.shape
@@ -188,10 +234,19 @@ class Attention(nn.Module):
         else:  # decode: the first b cache rows, up to the covering cache-length bucket
             keys, values = cache_k[:b, :, :attend_len], cache_v[:b, :, :attend_len]
         if attend_len and t <= FEW_QUERIES and q.device.type == "cpu":
-            out = few_query_attention(q, keys, values, mask)
+            out = few_query_attention(q, keys, values, mask, self.fold_queries)
         else:
             out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+def fold_queries_where_exact(model: nn.Module, widths: tuple[int, ...]) -> None:
+    """A target's attention folds a verify's tokens into one GEMM only where that rounds each
+    token as a 1-token decode does (`queries_fold_alike`); a draft keeps folding."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            groups = module.num_heads // module.num_kv_heads
+            module.fold_queries = queries_fold_alike(groups, module.head_dim, widths)
 
 
 class MLP(nn.Module):

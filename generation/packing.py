@@ -13,6 +13,7 @@ the models to.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from generation import kernels
+from generation.phase import in_prefill
+
+log = logging.getLogger("corpusgen.packing")
 
 # oneDNN's bf16 product below 4 rows is its slow path (1 thread, Qwen 1.5B shapes, ms at 1 / 4
 # rows: 1536x17920 3.8 / 3.3, the 151,936-row LM head 26.5 / 21.1): a decode step at batch 1
@@ -62,15 +66,14 @@ class PackedLinear(nn.Module):
 
 
 class Fp32ComputeLinear(nn.Linear):
-    """A bf16 model's linear where oneDNN's bf16 kernels are missing (an AVX2-only CPU): the
+    """A bf16 draft's linear where oneDNN's bf16 kernels are missing (an AVX2-only CPU): the
     bf16 weights upcast to fp32 once, at load, and every product run by MKL's fp32 GEMM.
 
     The tokens are those of the bf16 weights; the speed and memory those of fp32 (double the
     bf16 bytes). Measured on an AVX-512 Xeon with packing disabled (bench/README.md): torch's
     native bf16 GEMM, the only bf16 kernel such a CPU has, is a loop of GEMVs, as fast as
     fp32 at one row but 6x slower for a [8, 5] verify and 2x for a prefill; an upcast per
-    call costs more than the product. Rows round the same in any batch up to MKL's own
-    reordering (~1e-7 relative), as for an fp32 model.
+    call costs more than the product. A target's linears are `RowExactLinear` instead.
     """
 
     kernel = "fp32-compute"
@@ -85,6 +88,87 @@ class Fp32ComputeLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
+
+
+# oneDNN's fp32 product computes 1 row its own way (a GEMV) and any 2-72 rows alike.
+EXACT_MIN_ROWS = 2
+PER_ROW = "fp32-per-row"  # RowExactLinear's fallback: each decode row its own product
+
+
+def row_exact_kernel() -> str:
+    """What a target's fp32-computed linears run on this CPU (barring a shape's own check)."""
+    return kernels.ONEDNN_PACKED_FP32 if kernels.packed_fp32().available else PER_ROW
+
+
+class RowExactLinear(nn.Module):
+    """A target's linear computed in fp32 so that a row gets the same bits whatever rows share
+    its call: alone or in any batch, in a 1-token decode or a K+1-token verify. That is what
+    keeps seeded records independent of batch, draft and K for fp32 targets and for bf16 ones
+    on CPUs without oneDNN's bf16 kernels.
+
+    MKL's sgemm (F.linear) picks its kernel by row count (`kernels.rows_round_alike`), so the
+    weight goes to oneDNN's prepacked fp32 kernel, one row padded to EXACT_MIN_ROWS, after
+    checking on this layer's shape that every decode row count rounds alike. Where that fails,
+    each decode row is its own 1-row product (exact, slower at batch); prefills, one prompt per
+    call, keep MKL. Costs on one thread (bench/README.md): a 1-row step pays for 2 rows.
+    """
+
+    def __init__(self, linear: nn.Linear, row_counts: tuple[int, ...]):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().float()
+        self.bias = None if linear.bias is None else linear.bias.detach().float()
+        self.packed = self.weight = None
+        if kernels.packed_fp32().available:
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            if _packed_rounds_alike(packed, self.in_features, self.out_features, row_counts):
+                self.packed, self.kernel = packed, kernels.ONEDNN_PACKED_FP32
+        if self.packed is None:
+            self.weight, self.kernel = weight, PER_ROW
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).float()
+        if self.packed is not None:
+            out = with_rows_at_least(EXACT_MIN_ROWS, rows, self._packed_product)
+        elif in_prefill():
+            out = F.linear(rows, self.weight, self.bias)
+        else:
+            out = torch.cat([F.linear(row[None], self.weight, self.bias) for row in rows])
+        return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _packed_product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kernel}"
+
+
+_SHAPES_CHECKED: dict[tuple[int, int, tuple[int, ...]], bool] = {}
+
+
+def _packed_rounds_alike(packed: torch.Tensor, in_features: int, out_features: int,
+                         row_counts: tuple[int, ...]) -> bool:
+    """Checked once per layer shape (the kernel is chosen by shape), on the first such layer."""
+    key = (in_features, out_features, row_counts)
+    if key not in _SHAPES_CHECKED:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(max(row_counts) + min(row_counts), in_features, generator=generator)
+
+        def product(rows: torch.Tensor) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+
+        _SHAPES_CHECKED[key] = kernels.rows_round_alike(product, x, row_counts)
+        if not _SHAPES_CHECKED[key]:
+            log.warning("oneDNN's fp32 kernel rounds rows of a [%d -> %d] linear differently by "
+                        "row count on this CPU; a target computes its decode rows one by one",
+                        in_features, out_features)
+    return _SHAPES_CHECKED[key]
+
+
+def decode_row_counts(batch_sizes: list[int], draft_lengths: list[int]) -> tuple[int, ...]:
+    """Every row count a target's decode and verify calls have on this grid, padded."""
+    widths = [1] + [k + 1 for k in draft_lengths]
+    return tuple(sorted({max(b * w, EXACT_MIN_ROWS) for b in batch_sizes for w in widths}))
 
 
 def _swap_bf16_linears(model: nn.Module, make) -> nn.Module:
@@ -102,10 +186,26 @@ def pack_linears(model: nn.Module) -> nn.Module:
 
 
 def bf16_linears_for(model: nn.Module, device: torch.device) -> nn.Module:
-    """A bf16 model's linears on this CPU: oneDNN-packed where its probe passed, else
+    """A bf16 draft's linears on this CPU: oneDNN-packed where its probe passed, else
     computed in fp32 (never a crash, and no kernel this CPU lacks)."""
     if device.type != "cpu":
         return model
     if kernels.packed_bf16().available:
         return pack_linears(model)
     return _swap_bf16_linears(model, Fp32ComputeLinear)
+
+
+def target_linears_for(model: nn.Module, device: torch.device,
+                       row_counts: tuple[int, ...]) -> nn.Module:
+    """A target's float linears on this CPU, in place, each rounding a row alike in any call:
+    bf16 ones oneDNN-packed where that kernel runs (it does), the rest `RowExactLinear`
+    (fp32 weights, and bf16 ones on CPUs without it). Int8 and int4 linears are exact already."""
+    if device.type != "cpu":
+        return model
+    if kernels.packed_bf16().available:
+        pack_linears(model)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if type(child) in (nn.Linear, Fp32ComputeLinear) and child.weight.is_floating_point():
+                setattr(module, name, RowExactLinear(child, row_counts))
+    return model

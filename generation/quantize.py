@@ -4,8 +4,6 @@ per-row activation scales, batch-invariant."""
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import copy
 import weakref
 
@@ -16,6 +14,7 @@ from torch import nn
 from generation import kernels
 from generation.model import CausalLM
 from generation.packing import with_rows_at_least
+from generation.phase import in_prefill
 
 
 def _per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,24 +97,6 @@ class Int8Linear(nn.Module):
                 out = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
             return out.to(x.dtype).reshape(*x.shape[:-1], -1)
         return F.linear(x, self.weight.to(x.dtype) * self.scales[:, None].to(x.dtype), self.bias)
-
-
-_PREFILLING = contextvars.ContextVar("prefilling", default=False)
-
-
-@contextlib.contextmanager
-def prefilling():
-    """Marks a prefill forward: exact int8 and int4 linears run the dense product there
-    (see below, and int4.py)."""
-    token = _PREFILLING.set(True)
-    try:
-        yield
-    finally:
-        _PREFILLING.reset(token)
-
-
-def in_prefill() -> bool:
-    return _PREFILLING.get()
 
 
 class ExactInt8Linear(nn.Module):

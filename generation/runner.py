@@ -14,9 +14,9 @@ import torch
 from generation import device as devices
 from generation import kernels
 from generation.graphs import GraphedForward, graph_capture
-from generation.model import CausalLM, KVCache
-from generation.packing import bf16_linears_for
-from generation.quantize import prefilling
+from generation.model import CausalLM, KVCache, fold_queries_where_exact
+from generation.packing import bf16_linears_for, decode_row_counts, target_linears_for
+from generation.phase import prefilling
 from schemas import BucketGrid
 from schemas.engine import CATCH_UP_WIDTHS
 
@@ -57,7 +57,11 @@ class ModelRunner:
         compile_model: bool = False,
         hpu_graphs: bool = True,
         cuda_graphs: bool = False,
+        exact_rows: bool = False,
     ):
+        """exact_rows: a target's runner, whose float linears must round a row the same in
+        every decode call (packing.target_linears_for); a draft only proposes, and keeps the
+        fastest kernels."""
         self.model, self.grid, self.device = model, grid, device
         self.cache = KVCache(model.config, grid.max_batch + 1, grid.max_cache, dtype, device)
         self.shapes: Counter[tuple] = Counter()
@@ -69,8 +73,14 @@ class ModelRunner:
         self.computed_slots: Counter[str] = Counter()  # token slots run, per phase
         self.useful_slots: Counter[str] = Counter()  # of them, real tokens of live rows
         self.compiles = 0
-        if dtype == torch.bfloat16 and not compile_model:  # inductor picks its own kernels
-            bf16_linears_for(model, device)
+        if not compile_model:  # inductor picks its own kernels
+            if exact_rows and device.type == "cpu":
+                target_linears_for(
+                    model, device, decode_row_counts(grid.batch_sizes, grid.draft_lengths)
+                )
+                fold_queries_where_exact(model, (1, *(k + 1 for k in grid.draft_lengths)))
+            elif dtype == torch.bfloat16:
+                bf16_linears_for(model, device)
         self._forward = model.forward
         compiles = compile_model and device.type in ("cpu", "cuda")
         hpu_graphed = hpu_graphs and device.type == "hpu"

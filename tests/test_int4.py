@@ -19,7 +19,7 @@ from generation import gguf_int4, kernels
 from generation.draft_length import FixedDraftLength
 from generation.int4 import DRAFT_KERNEL_ROWS, GROUP_SIZES, Int4Linear, Int4Weights
 from generation.loading import load_model, load_state_dict, resolve_model_dir
-from generation.packing import Fp32ComputeLinear
+from generation.packing import RowExactLinear, row_exact_kernel
 from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -202,8 +202,8 @@ def test_without_the_int4_kernel_the_same_weights_run_in_fp32(tiny_llama_dir, ca
         assert kernels.int4pack_mm().reason == f"disabled by {kernels.DISABLE_ENV}"
     assert "kernel int4pack-mm unavailable, using the fallback" in caplog.text
     linears = {type(m) for n, m in fallback.target.model.named_modules() if n.endswith("proj")}
-    assert linears == {Fp32ComputeLinear}
-    assert fallback.hardware_info["cpu_kernels"] == "target=fp32-compute"
+    assert linears == {RowExactLinear}
+    assert fallback.hardware_info["cpu_kernels"] == f"target={row_exact_kernel()}"
     assert [c.token_ids for c in fallback.generate(prompts, params)] == [
         c.token_ids for c in kernel.generate(prompts, params)]
 

@@ -5,6 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +17,7 @@ import torch
 from generation import loading
 from generation.loading import PACKAGED_MODELS, PackagedModel, packaged_gguf, packaged_model_dir
 
+TESTS = Path(__file__).resolve().parent
 QWEN_PAIR = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct")
 
 
@@ -119,21 +125,23 @@ def test_qwen_pair_greedy_equals_transformers(name):
 @pytest.mark.models
 @pytest.mark.slow
 @pytest.mark.skipif(not pair_installed(), reason="Qwen2.5-Coder pair not installed: make models")
-def test_qwen_bf16_records_are_the_same_in_a_batch_as_alone():
-    """oneDNN's packed bf16 GEMM rounds a row differently with the rows in the call, so a
-    record's prefill must not share its forward: 4 code prompts in one batch decode the
-    tokens each decodes alone (with prompts prefilled together, 2 of these 4 did not)."""
-    from bench.qwen_pair import CODE
-    from generation import Engine
-    from schemas import EngineConfig, SamplingParams
+@pytest.mark.parametrize("isa", ["native", "avx2"])
+def test_qwen_bf16_records_are_the_same_in_a_batch_as_alone_and_under_speculation(isa):
+    """Rounding that changes with the call's shape moves a real model's tokens: with prompts
+    prefilled together 2 of these 4 decoded differently in a batch than alone (oneDNN's packed
+    bf16), and with the AVX2 fallback's MKL linears 1 of 4 did. Natively and with each library
+    capped at AVX2 (the fp32-computed fallback), every prompt decodes the same in a batch of 4
+    as alone, and the int8 0.5B draft at K=4 gives plain decoding's tokens."""
+    from test_portability import AVX2_CAPS
 
-    engine = Engine.from_config(EngineConfig(
-        target={"path": "packaged:qwen2.5-coder-1.5b-instruct", "dtype": "bfloat16"},
-        device="cpu", bucket_grid={"batch_sizes": [1, 4], "prompt_lengths": [32, 64, 96, 128],
-                                   "cache_lengths": [256], "draft_lengths": [2]},
-    ))
-    prompts = CODE[:4]  # the Qwen bench's code prompts: 2 of them showed it
-    params = SamplingParams(max_new_tokens=48)
-    together = engine.generate(prompts, params)
-    alone = [engine.generate([prompt], params)[0] for prompt in prompts]
-    assert [c.token_ids for c in together] == [c.token_ids for c in alone]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+           "OMP_NUM_THREADS": "1", **(AVX2_CAPS if isa == "avx2" else {})}
+    done = subprocess.run([sys.executable, str(TESTS / "qwen_exactness_check.py")],
+                          capture_output=True, text=True, timeout=1200, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if isa == "avx2":
+        assert result["kernels"] == "target=onednn-packed-fp32"
+    assert result["batch_equals_alone"] == [True] * 4
+    assert result["speculation_equals_plain"] == [True] * 4
+    assert result["rounds"] > 10

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine_helpers import engine_for, varied_prompts
 
 from generation import kernels
-from generation.packing import PACKED_MIN_ROWS, PackedLinear
+from generation.packing import PACKED_MIN_ROWS, PackedLinear, RowExactLinear
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
 pytestmark = pytest.mark.skipif(
@@ -50,7 +50,7 @@ def linear_kinds(engine) -> set[str]:
         type(module).__name__
         for runner in engine._runners
         for module in runner.model.modules()
-        if isinstance(module, torch.nn.Linear | PackedLinear)
+        if isinstance(module, torch.nn.Linear | PackedLinear | RowExactLinear)
     }
 
 
@@ -67,14 +67,16 @@ def test_a_bf16_engine_packs_its_linears_and_keeps_its_tokens(tiny_llama_dir, ti
     assert linear_kinds(packed) == {"PackedLinear"}
     with kernels.disabled(kernels.ONEDNN_PACKED_BF16):
         unpacked = engine()
-    assert linear_kinds(unpacked) == {"Fp32ComputeLinear"}
+    assert linear_kinds(unpacked) == {"RowExactLinear", "Fp32ComputeLinear"}  # target, draft
     assert [c.token_ids for c in packed.generate(prompts, params)] == [
         c.token_ids for c in unpacked.generate(prompts, params)
     ]
     assert packed.stats.rounds > 0
 
 
-def test_fp32_and_compiled_runners_keep_plain_linears(tiny_llama_dir):
-    assert linear_kinds(engine_for(tiny_llama_dir)) == {"Linear"}
+def test_fp32_targets_round_rows_alike_and_compiled_runners_keep_plain_linears(tiny_llama_dir):
+    assert linear_kinds(engine_for(tiny_llama_dir)) == {"RowExactLinear"}
+    draft = DraftSpec(kind="model", model=ModelSpec(path=str(tiny_llama_dir)))
+    assert linear_kinds(engine_for(tiny_llama_dir, draft=draft)) == {"RowExactLinear", "Linear"}
     bf16 = ModelSpec(path=str(tiny_llama_dir), dtype="bfloat16")
     assert linear_kinds(engine_for(tiny_llama_dir, target=bf16, compile=True)) == {"Linear"}

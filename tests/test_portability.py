@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import sys
@@ -23,7 +24,7 @@ from portable_engine_check import main as check_portable_engine
 
 from generation import kernels
 from generation.kernels import KernelUnavailable
-from generation.packing import Fp32ComputeLinear
+from generation.packing import Fp32ComputeLinear, row_exact_kernel
 from schemas import DraftSpec, ModelSpec
 
 TESTS = Path(__file__).resolve().parent
@@ -68,11 +69,12 @@ def test_without_the_packed_kernel_a_bf16_engine_runs_torchs_linear_and_stays_ex
     greedy and seeded speculation still give plain decoding's tokens, with every draft."""
     disabled_kernels(kernels.ONEDNN_PACKED_BF16)
     result = check_portable_engine(str(tiny_llama_small_vocab_dir))
+    target = row_exact_kernel()
     assert result["kernels"] == {
-        "plain": "target=fp32-compute",
-        "quantized-bf16": "target=fp32-compute draft=fp32-compute",
-        "quantized-int8": "target=fp32-compute draft=fbgemm-int8",
-        "int4-target": "target=fp32-compute+int4pack-mm",  # prefills: the bf16 copies
+        "plain": f"target={target}",
+        "quantized-bf16": f"target={target} draft=fp32-compute",
+        "quantized-int8": f"target={target} draft=fbgemm-int8",
+        "int4-target": "target=" + "+".join(sorted([kernels.INT4PACK_MM, target])),
     }
     assert all(result["identical"].values()), result["identical"]
     assert all(result["rounds"].values()), result["rounds"]
@@ -111,6 +113,42 @@ def test_the_fallback_keeps_bf16_weights_values_and_computes_in_fp32():
 
 
 QEMU = shutil.which("qemu-x86_64")
+# What an AVX2-only CPU makes each library do, asked of the libraries themselves: torch's own
+# kernels, MKL and oneDNN each run their AVX2 code, and oneDNN refuses its bf16 kernels.
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
+def portable_check(model_dir: Path, prefix: list[str], caps: dict[str, str],
+                   *flags: str) -> tuple[dict, str]:
+    """portable_engine_check.py in a child process (under `prefix`, with `caps` set): its
+    JSON result and its log."""
+    # this checkout first, not whatever the venv has installed (a worktree beside it)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
+           "OMP_NUM_THREADS": "1", **caps}
+    env.pop(kernels.DISABLE_ENV, None)
+    done = subprocess.run(
+        [*prefix, sys.executable, str(TESTS / "portable_engine_check.py"), str(model_dir),
+         *flags],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86 ISA caps")
+def test_with_each_library_capped_at_avx2_the_engine_falls_back_and_stays_exact(
+    tiny_llama_small_vocab_dir,
+):
+    """MKL and torch's kernels change their summation order with the ISA, so the fallback's
+    exactness (speculation = plain decoding, greedy and seeded) is checked on AVX2 code too."""
+    result, log = portable_check(tiny_llama_small_vocab_dir, [], AVX2_CAPS)
+    assert result["cpu_isa"].startswith("AVX2 ")
+    assert "avx512bw" in result["probes"][kernels.ONEDNN_PACKED_BF16]
+    assert result["probes"][kernels.ONEDNN_PACKED_FP32] == "probe passed"
+    assert result["kernels"]["plain"] == f"target={kernels.ONEDNN_PACKED_FP32}"
+    assert all(result["identical"].values()), result["identical"]
+    assert "kernel onednn-packed-bf16 unavailable, using the fallback" in log
 
 
 @pytest.mark.slow
@@ -124,22 +162,14 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
 ):
     """The real refusal, not a switch: under `qemu-x86_64 -cpu Haswell` oneDNN's prepacked
     bf16 kernel raises its AVX-512 error in the probe, and the same checks as above pass."""
-    # this checkout first, not whatever the venv has installed (a worktree beside it)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent)]),
-           "OMP_NUM_THREADS": "1"}
-    env.pop(kernels.DISABLE_ENV, None)
-    done = subprocess.run(
-        [QEMU, "-cpu", "Haswell", sys.executable, str(TESTS / "portable_engine_check.py"),
-         str(tiny_llama_small_vocab_dir), "--greedy-only"],
-        capture_output=True, text=True, timeout=600, env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result, log = portable_check(tiny_llama_small_vocab_dir, [QEMU, "-cpu", "Haswell"], {},
+                                 "--greedy-only")
     assert result["cpu_isa"] == "AVX2 avx2"
     assert "avx512bw" in result["probes"][kernels.ONEDNN_PACKED_BF16]
     assert result["probes"][kernels.FBGEMM_INT8] == "probe passed"
-    assert result["kernels"]["quantized-int8"] == "target=fp32-compute draft=fbgemm-int8"
+    assert result["probes"][kernels.ONEDNN_PACKED_FP32] == "probe passed"  # its AVX2 path
+    assert result["kernels"]["quantized-int8"] == "target=onednn-packed-fp32 draft=fbgemm-int8"
     assert result["probes"][kernels.INT4PACK_MM] == "probe passed"  # its AVX2 path
-    assert result["kernels"]["int4-target"] == "target=fp32-compute+int4pack-mm"
+    assert result["kernels"]["int4-target"] == "target=int4pack-mm+onednn-packed-fp32"
     assert all(result["identical"].values()), result["identical"]
-    assert "kernel onednn-packed-bf16 unavailable, using the fallback" in done.stderr
+    assert "kernel onednn-packed-bf16 unavailable, using the fallback" in log

@@ -23,6 +23,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.generate import generate_corpus
 from generation import kernels
+from generation.packing import row_exact_kernel
 from schemas import parse_run_config
 from tasks.quality import QualityError, quality_problems
 
@@ -208,8 +209,8 @@ def test_samples_per_prompt_and_provenance(tmp_path, tiny_llama_dir, monkeypatch
     assert metrics["chat_template"] == "chat"
     assert json.loads(metrics["sampling_params"])["samples_per_prompt"] == 3
     assert json.loads(metrics["sampling_params"])["temperature"] == 1.0
-    # What ran where: the engine's kernels (fp32 target: torch's F.linear) and the CPU.
-    assert metrics["cpu_kernels"] == "target=aten-float32"
+    # What ran where: the engine's kernels (an fp32 target's row-exact linears) and the CPU.
+    assert metrics["cpu_kernels"] == f"target={row_exact_kernel()}"
     assert metrics["cpu_model"] == kernels.cpu_model()
     assert metrics["cpu_isa"] == kernels.cpu_isa()
     prompt = data[0]["prompt"]

@@ -20,7 +20,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from generation import quantize
 from generation.draft_length import DraftStopper, FixedDraftLength
-from generation.quantize import ExactInt8Linear, Int8Linear, prefilling
+from generation.phase import prefilling
+from generation.quantize import ExactInt8Linear, Int8Linear
 from schemas import DraftSpec, ModelSpec, SamplingParams
 
 BATCH_1_AND_8 = SMALL_GRID.model_copy(update={"batch_sizes": [1, 8]})
