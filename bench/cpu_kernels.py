@@ -5,7 +5,7 @@ fp32 and fallback paths (`*_row_exact`: oneDNN's prepacked fp32, 1 row padded to
 MKL's F.linear that a draft runs. `--paths` picks some (each holds a copy of the weights).
 Run it under AVX2_CAPS (tests/test_portability.py) for an AVX2 CPU's MKL and oneDNN code.
 
-One process, one thread; the runners hold copies of the same weights and take turns, one
+One process, one thread; the runners hold loads of the same weights and take turns, one
 set of shapes each, so machine drift hits all of them; medians. Prints JSON naming the CPU;
 commit it under bench/results/.
 Usage: python bench/cpu_kernels.py [--repeats 9] [--model target|draft] [--paths fp32 ...]
@@ -14,7 +14,6 @@ Usage: python bench/cpu_kernels.py [--repeats 9] [--model target|draft] [--paths
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import statistics
 import time
@@ -49,22 +48,24 @@ PATHS = ["fp32", "fp32_row_exact", "bf16_packed", "bf16_fallback", "bf16_fallbac
 
 
 def runners(spec, paths: list[str]) -> dict[str, ModelRunner]:
-    """name -> a runner on its own copy of the weights, its linears as the name says."""
+    """name -> a runner on its own load of the weights, its linears as the name says."""
     cpu = torch.device("cpu")
-    fp32 = load_model(spec.model_copy(update={"dtype": "float32"}), GRID.max_cache, cpu).model
-    bf16 = copy.deepcopy(fp32).to_dtype(torch.bfloat16) if any("bf16" in p for p in paths) \
-        else None
+
+    def weights(dtype: torch.dtype):
+        fp32 = load_model(spec.model_copy(update={"dtype": "float32"}), GRID.max_cache, cpu).model
+        return fp32 if dtype == torch.float32 else fp32.to_dtype(dtype)
+
     built = {}
     for path in paths:
         exact = path.endswith("_row_exact")
         if path.startswith("fp32"):
-            built[path] = ModelRunner(copy.deepcopy(fp32), GRID, cpu, torch.float32,
+            built[path] = ModelRunner(weights(torch.float32), GRID, cpu, torch.float32,
                                       exact_rows=exact)
         elif path == "bf16_packed" and kernels.packed_bf16().available:
-            built[path] = ModelRunner(copy.deepcopy(bf16), GRID, cpu, torch.bfloat16)
+            built[path] = ModelRunner(weights(torch.bfloat16), GRID, cpu, torch.bfloat16)
         elif path.startswith("bf16_fallback"):
             with kernels.disabled(kernels.ONEDNN_PACKED_BF16):  # as on an AVX2 CPU
-                built[path] = ModelRunner(copy.deepcopy(bf16), GRID, cpu, torch.bfloat16,
+                built[path] = ModelRunner(weights(torch.bfloat16), GRID, cpu, torch.bfloat16,
                                           exact_rows=exact)
     return built
 

@@ -90,8 +90,6 @@ class Fp32ComputeLinear(nn.Linear):
         return F.linear(x.float(), self.weight, self.bias).to(x.dtype)
 
 
-# oneDNN's fp32 product computes 1 row its own way (a GEMV) and any 2-72 rows alike.
-EXACT_MIN_ROWS = 2
 PER_ROW = "fp32-per-row"  # RowExactLinear's fallback: each decode row its own product
 
 
@@ -107,10 +105,10 @@ class RowExactLinear(nn.Module):
     on CPUs without oneDNN's bf16 kernels.
 
     MKL's sgemm (F.linear) picks its kernel by row count (`kernels.rows_round_alike`), so the
-    weight goes to oneDNN's prepacked fp32 kernel, one row padded to EXACT_MIN_ROWS, after
-    checking on this layer's shape that every decode row count rounds alike. Where that fails,
-    each decode row is its own 1-row product (exact, slower at batch); prefills, one prompt per
-    call, keep MKL. Costs on one thread (bench/README.md): a 1-row step pays for 2 rows.
+    weight goes to oneDNN's prepacked fp32 kernel, after checking on this layer's shape that
+    every decode row count of the grid rounds alike; where 1 row rounds apart (a GEMV: with
+    AVX-512 code here) it is padded to 2. Where even that fails, each decode row is its own
+    1-row product (exact, slower at batch); prefills, one prompt per call, keep MKL.
     """
 
     def __init__(self, linear: nn.Linear, row_counts: tuple[int, ...]):
@@ -119,9 +117,12 @@ class RowExactLinear(nn.Module):
         weight = linear.weight.detach().float()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
         self.packed = self.weight = None
+        self.min_rows = None
         if kernels.packed_fp32().available:
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            if _packed_rounds_alike(packed, self.in_features, self.out_features, row_counts):
+            packed = kernels.onednn_packed_fp32(weight)
+            self.min_rows = _packed_min_rows(packed, self.in_features, self.out_features,
+                                             row_counts)
+            if self.min_rows is not None:
                 self.packed, self.kernel = packed, kernels.ONEDNN_PACKED_FP32
         if self.packed is None:
             self.weight, self.kernel = weight, PER_ROW
@@ -129,7 +130,7 @@ class RowExactLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
         if self.packed is not None:
-            out = with_rows_at_least(EXACT_MIN_ROWS, rows, self._packed_product)
+            out = with_rows_at_least(self.min_rows, rows, self._packed_product)
         elif in_prefill():
             out = F.linear(rows, self.weight, self.bias)
         else:
@@ -143,22 +144,28 @@ class RowExactLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kernel}"
 
 
-_SHAPES_CHECKED: dict[tuple[int, int, tuple[int, ...]], bool] = {}
+_SHAPES_CHECKED: dict[tuple[int, int, tuple[int, ...]], int | None] = {}
 
 
-def _packed_rounds_alike(packed: torch.Tensor, in_features: int, out_features: int,
-                         row_counts: tuple[int, ...]) -> bool:
-    """Checked once per layer shape (the kernel is chosen by shape), on the first such layer."""
+def _packed_min_rows(packed: torch.Tensor, in_features: int, out_features: int,
+                     row_counts: tuple[int, ...]) -> int | None:
+    """The fewest rows to compute so that every row count rounds alike (1, or 2 where 1 row
+    rounds apart), None where no padding does; once per layer shape (the kernel is chosen by
+    shape), on the first such layer."""
     key = (in_features, out_features, row_counts)
     if key not in _SHAPES_CHECKED:
         generator = torch.Generator().manual_seed(0)
-        x = torch.randn(max(row_counts) + min(row_counts), in_features, generator=generator)
+        x = torch.randn(max(row_counts) + 2, in_features, generator=generator)
 
         def product(rows: torch.Tensor) -> torch.Tensor:
             return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
 
-        _SHAPES_CHECKED[key] = kernels.rows_round_alike(product, x, row_counts)
-        if not _SHAPES_CHECKED[key]:
+        _SHAPES_CHECKED[key] = next(
+            (least for least in (1, 2) if kernels.rows_round_alike(
+                product, x, sorted({max(rows, least) for rows in row_counts}))),
+            None,
+        )
+        if _SHAPES_CHECKED[key] is None:
             log.warning("oneDNN's fp32 kernel rounds rows of a [%d -> %d] linear differently by "
                         "row count on this CPU; a target computes its decode rows one by one",
                         in_features, out_features)
@@ -166,9 +173,9 @@ def _packed_rounds_alike(packed: torch.Tensor, in_features: int, out_features: i
 
 
 def decode_row_counts(batch_sizes: list[int], draft_lengths: list[int]) -> tuple[int, ...]:
-    """Every row count a target's decode and verify calls have on this grid, padded."""
+    """Every row count a target's decode and verify calls have on this grid."""
     widths = [1] + [k + 1 for k in draft_lengths]
-    return tuple(sorted({max(b * w, EXACT_MIN_ROWS) for b in batch_sizes for w in widths}))
+    return tuple(sorted({b * w for b in batch_sizes for w in widths}))
 
 
 def _swap_bf16_linears(model: nn.Module, make) -> nn.Module:

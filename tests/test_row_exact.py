@@ -19,7 +19,7 @@ GRID_ROWS = decode_row_counts([1, 2, 4, 8], [2, 4, 6])  # the default grid's dec
 
 
 def test_decode_row_counts_cover_every_step_and_verify_of_the_grid():
-    assert decode_row_counts([1, 4], [2, 4]) == (2, 3, 4, 5, 12, 20)  # 1 row padded to 2
+    assert decode_row_counts([1, 4], [2, 4]) == (1, 3, 4, 5, 12, 20)
     assert max(GRID_ROWS) == 8 * 7
 
 
