@@ -37,9 +37,9 @@ import torch
 from bench._common import decoding_arguments, machine, print_result
 from bench.qwen_pair import DRAFT, GRID, PROMPT_SETS, TARGET, build_engines
 from generation import Engine
-from generation.loading import packaged_gguf, resolve_model_dir
+from generation.loading import assemble, packaged_gguf, resolve_model_dir
 from generation.prompts import chat_text_and_ids
-from schemas import EngineConfig, SamplingParams
+from schemas import DraftSpec, EngineConfig, SamplingParams
 from schemas.engine import PACKAGED_PREFIX
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -87,17 +87,24 @@ def our_contender(engine: Engine, params: SamplingParams) -> Contender:
 
 def our_engines(threads: int, batch_sizes: list[int]) -> dict[str, Engine]:
     """Packed bf16 plain and with the 0.5B int8 draft (K auto), as qwen_pair.py builds them
-    over one copy of the weights; and the int4 target (quantize: int4) plain, at batch 1."""
+    over one copy of the weights; and the int4 target (quantize: int4) plain and with the same
+    draft, over one load of its own."""
     grid = GRID.model_copy(update={"batch_sizes": batch_sizes})
     int4_spec = TARGET.model_copy(update={"dtype": "bfloat16", "quantize": "int4"})
-    int4 = Engine.from_config(EngineConfig(  # first: loading passes through 6 GB of fp32
-        target=int4_spec, device="cpu", cpu_threads=threads,
-        bucket_grid=grid.model_copy(update={"batch_sizes": [1]}),
-    ))
-    int4.warmup()
+    draft = DraftSpec(kind="model", model=DRAFT.model_copy(update={"dtype": "bfloat16"}),
+                      dtype="int8")
+    with_draft = EngineConfig(target=int4_spec, draft=draft, device="cpu", cpu_threads=threads,
+                              bucket_grid=grid)
+    target, device, proposer, loaded_draft = assemble(with_draft)  # first: 6 GB of fp32 pass
+    int4 = {"ours_int4_plain": Engine(with_draft.model_copy(update={"draft": None}), target,
+                                      device),
+            "ours_int4_draft_0.5b_int8_auto": Engine(with_draft, target, device, proposer,
+                                                     loaded_draft)}
+    for engine in int4.values():
+        engine.warmup()
     built = build_engines("bfloat16", threads, ["plain", "draft_0.5b_int8_auto"], grid)
     return {"ours_bf16_plain": built["plain"], "ours_bf16_draft_0.5b_int8_auto":
-            built["draft_0.5b_int8_auto"], "ours_int4_plain": int4}
+            built["draft_0.5b_int8_auto"], **int4}
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------
@@ -366,9 +373,7 @@ def main() -> None:
         "llama_speculative": llama_speculative(tools, target_gguf, draft_gguf, threads,
                                                new_tokens),
     }
-    at_best_batch = {
-        name: ours[name] for name in ("ours_bf16_plain", "ours_bf16_draft_0.5b_int8_auto")
-    } | {"llama_plain": llama["best"]}
+    at_best_batch = ours | {"llama_plain": llama["best"]}
     timings = side_by_side(at_batch_1, at_best_batch, sets, args.repeats, args.prompts)
     where = machine(engines)
     del engines, ours, at_batch_1, at_best_batch  # vLLM's weights need the memory
