@@ -201,18 +201,18 @@ def int4pack_mm() -> Probe:
 def rows_round_alike(
     product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, row_counts: Sequence[int]
 ) -> bool:
-    """Whether `product` gives a row the same bits in a call of any of `row_counts` rows: the
-    first and the last row of each call against that row in a call of the fewest rows (x needs
-    max + min rows). A GEMM library picks its kernel, and so its summation order, by the row
-    count: MKL's sgemm has a GEMV for 1 row and other kernels for 2-15 and 16+ rows on AVX-512,
-    and for 1, 2, 3, 4-48 and 64+ on AVX2, which would make a record depend on its batch."""
+    """Whether `product` gives every row of a call of any of `row_counts` rows the bits that
+    row gets at the start of a call of the fewest rows. A GEMM library picks its kernel, and
+    so its summation order, by the call's shape: MKL's sgemm has a GEMV for 1 row and other
+    kernels for 2-15 and 16+ rows on AVX-512, for 1, 2, 3, 4-48 and 64+ with AVX2 code, which
+    would make a record depend on its batch."""
     fewest = min(row_counts)
-    for rows in row_counts:
-        out = product(x[:rows])
-        for row in (0, rows - 1):
-            if not torch.equal(out[row], product(x[row : row + fewest])[0]):
-                return False
-    return True
+    alone = [product(x[row : row + fewest])[0] for row in range(max(row_counts))]
+    return all(
+        torch.equal(out_row, alone[row])
+        for rows in row_counts
+        for row, out_row in enumerate(product(x[:rows]))
+    )
 
 
 PROBE_ROWS = (2, 3, 4, 5, 8, 15, 16, 40, 56, 72)  # 1 + K and (1 + K) * batch of usual grids

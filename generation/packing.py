@@ -53,9 +53,14 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), 1)
         self.bias = None if linear.bias is None else linear.bias.detach()
+        self.plan: RowPlan | None = None  # a target's: decode calls padded to exact row counts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = with_rows_at_least(PACKED_MIN_ROWS, x.reshape(-1, self.in_features), self._product)
+        rows = x.reshape(-1, self.in_features)
+        if self.plan is not None and not in_prefill():
+            out = self.plan(rows, self._product)
+        else:
+            out = with_rows_at_least(PACKED_MIN_ROWS, rows, self._product)
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
@@ -98,6 +103,54 @@ def row_exact_kernel() -> str:
     return kernels.ONEDNN_PACKED_FP32 if kernels.packed_fp32().available else PER_ROW
 
 
+class RowPlan:
+    """The row count to call a product with, per decode row count, so that each of the rows
+    rounds as it does in a 1-row step: GEMM libraries pick kernels by shape, and some round a
+    row by its place in the call (oneDNN's packed bf16 [40 x 8960] x [8960 x 1536] product on
+    one thread: 5-15 of 40 rows). Found once per layer shape and thread count (`plan_rows`)."""
+
+    def __init__(self, padded: dict[int, int]):
+        self.padded = padded
+
+    def __call__(self, rows: torch.Tensor, product) -> torch.Tensor:
+        return with_rows_at_least(self.padded.get(rows.shape[0], 0), rows, product)
+
+
+_PLANS: dict[tuple, RowPlan | None] = {}
+
+
+def plan_rows(kind: str, product, in_features: int, out_features: int,
+              row_counts: tuple[int, ...], least: int,
+              dtype: torch.dtype = torch.float32) -> RowPlan | None:
+    """A RowPlan for `product` over the grid's decode row counts, where a 1-row step computes
+    `least` rows: each count padded to the fewest rows (up to twice as many) whose every real
+    row equals that row alone; None where some count has none. Once per kind, layer shape and
+    thread count (oneDNN splits a product by threads)."""
+    key = (kind, in_features, out_features, row_counts, least, torch.get_num_threads())
+    if key not in _PLANS:
+        generator = torch.Generator().manual_seed(0)
+        most = max(max(row_counts), least)
+        x = torch.randn(2 * most, in_features, generator=generator).to(dtype)
+        alone = [product(x[row : row + least])[0] for row in range(most)]
+
+        def exact_at(rows: int, padded: int) -> bool:
+            out = product(x[:padded])
+            return all(torch.equal(out[row], alone[row]) for row in range(rows))
+
+        padded = {}
+        for rows in row_counts:
+            fewest = max(rows, least)
+            padded[rows] = next(
+                (n for n in range(fewest, 2 * fewest + 1) if exact_at(rows, n)), None
+            )
+        _PLANS[key] = None if None in padded.values() else RowPlan(padded)
+        if _PLANS[key] is None:
+            log.warning("%s rounds rows of a [%d -> %d] linear by their call on this CPU at "
+                        "%s rows", kind, in_features, out_features,
+                        [rows for rows, n in padded.items() if n is None])
+    return _PLANS[key]
+
+
 class RowExactLinear(nn.Module):
     """A target's linear computed in fp32 so that a row gets the same bits whatever rows share
     its call: alone or in any batch, in a 1-token decode or a K+1-token verify. That is what
@@ -105,10 +158,10 @@ class RowExactLinear(nn.Module):
     on CPUs without oneDNN's bf16 kernels.
 
     MKL's sgemm (F.linear) picks its kernel by row count (`kernels.rows_round_alike`), so the
-    weight goes to oneDNN's prepacked fp32 kernel, after checking on this layer's shape that
-    every decode row count of the grid rounds alike; where 1 row rounds apart (a GEMV: with
-    AVX-512 code here) it is padded to 2. Where even that fails, each decode row is its own
-    1-row product (exact, slower at batch); prefills, one prompt per call, keep MKL.
+    weight goes to oneDNN's prepacked fp32 kernel, with a RowPlan for this layer's shape (a
+    1-row step computes 1 row where that rounds as in any other call, with AVX2 code here, else
+    2). Where no plan exists, each decode row is its own 1-row product (exact, slower at batch);
+    prefills, one prompt per call, keep MKL.
     """
 
     def __init__(self, linear: nn.Linear, row_counts: tuple[int, ...]):
@@ -116,21 +169,21 @@ class RowExactLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         weight = linear.weight.detach().float()
         self.bias = None if linear.bias is None else linear.bias.detach().float()
-        self.packed = self.weight = None
-        self.min_rows = None
+        self.packed = self.weight = self.plan = None
         if kernels.packed_fp32().available:
-            packed = kernels.onednn_packed_fp32(weight)
-            self.min_rows = _packed_min_rows(packed, self.in_features, self.out_features,
-                                             row_counts)
-            if self.min_rows is not None:
-                self.packed, self.kernel = packed, kernels.ONEDNN_PACKED_FP32
-        if self.packed is None:
-            self.weight, self.kernel = weight, PER_ROW
+            self.packed = kernels.onednn_packed_fp32(weight)
+            self.plan = next((plan for least in (1, 2) if (plan := plan_rows(
+                kernels.ONEDNN_PACKED_FP32, self._packed_product, self.in_features,
+                self.out_features, row_counts, least)) is not None), None)
+        if self.plan is None:
+            self.packed, self.weight, self.kernel = None, weight, PER_ROW
+        else:
+            self.kernel = kernels.ONEDNN_PACKED_FP32
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).float()
-        if self.packed is not None:
-            out = with_rows_at_least(self.min_rows, rows, self._packed_product)
+        if self.plan is not None:
+            out = self.plan(rows, self._packed_product)
         elif in_prefill():
             out = F.linear(rows, self.weight, self.bias)
         else:
@@ -142,34 +195,6 @@ class RowExactLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, {self.kernel}"
-
-
-_SHAPES_CHECKED: dict[tuple[int, int, tuple[int, ...]], int | None] = {}
-
-
-def _packed_min_rows(packed: torch.Tensor, in_features: int, out_features: int,
-                     row_counts: tuple[int, ...]) -> int | None:
-    """The fewest rows to compute so that every row count rounds alike (1, or 2 where 1 row
-    rounds apart), None where no padding does; once per layer shape (the kernel is chosen by
-    shape), on the first such layer."""
-    key = (in_features, out_features, row_counts)
-    if key not in _SHAPES_CHECKED:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(max(row_counts) + 2, in_features, generator=generator)
-
-        def product(rows: torch.Tensor) -> torch.Tensor:
-            return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
-
-        _SHAPES_CHECKED[key] = next(
-            (least for least in (1, 2) if kernels.rows_round_alike(
-                product, x, sorted({max(rows, least) for rows in row_counts}))),
-            None,
-        )
-        if _SHAPES_CHECKED[key] is None:
-            log.warning("oneDNN's fp32 kernel rounds rows of a [%d -> %d] linear differently by "
-                        "row count on this CPU; a target computes its decode rows one by one",
-                        in_features, out_features)
-    return _SHAPES_CHECKED[key]
 
 
 def decode_row_counts(batch_sizes: list[int], draft_lengths: list[int]) -> tuple[int, ...]:
@@ -209,10 +234,20 @@ def target_linears_for(model: nn.Module, device: torch.device,
     (fp32 weights, and bf16 ones on CPUs without it). Int8 and int4 linears are exact already."""
     if device.type != "cpu":
         return model
-    if kernels.packed_bf16().available:
-        pack_linears(model)
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
-            if type(child) in (nn.Linear, Fp32ComputeLinear) and child.weight.is_floating_point():
-                setattr(module, name, RowExactLinear(child, row_counts))
+            if type(child) not in (nn.Linear, Fp32ComputeLinear):
+                continue
+            swapped: nn.Module | None = None
+            if child.weight.dtype == torch.bfloat16 and kernels.packed_bf16().available:
+                swapped = PackedLinear(child)
+                swapped.plan = plan_rows(kernels.ONEDNN_PACKED_BF16, swapped._product,
+                                         child.in_features, child.out_features, row_counts,
+                                         PACKED_MIN_ROWS, torch.bfloat16)
+                if swapped.plan is None:
+                    swapped = None
+            if swapped is None and child.weight.is_floating_point():
+                swapped = RowExactLinear(child, row_counts)
+            if swapped is not None:
+                setattr(module, name, swapped)
     return model

@@ -12,7 +12,14 @@ import torch.nn.functional as F
 
 from generation import kernels
 from generation.model import few_query_attention, queries_fold_alike
-from generation.packing import PER_ROW, RowExactLinear, decode_row_counts, row_exact_kernel
+from generation.packing import (
+    PER_ROW,
+    PackedLinear,
+    RowExactLinear,
+    decode_row_counts,
+    row_exact_kernel,
+    target_linears_for,
+)
 from generation.phase import prefilling
 
 GRID_ROWS = decode_row_counts([1, 2, 4, 8], [2, 4, 6])  # the default grid's decode calls
@@ -83,3 +90,32 @@ def test_a_query_token_attends_alike_in_a_verify_and_in_any_cache_bucket(groups,
         q, keys[:, :, :384], values[:, :, :384], attn_mask=visible[:, :384], enable_gqa=True
     )
     torch.testing.assert_close(verify, reference, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture
+def one_thread():
+    """oneDNN splits a product by thread count: 1 thread, as the benches run, shows it."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not kernels.packed_bf16().available, reason="needs oneDNN's packed bf16")
+def test_a_packed_bf16_target_linear_rounds_every_row_of_a_verify_as_alone(one_thread):
+    """On one thread oneDNN's packed bf16 product of Qwen's down projection shape rounds 5-15
+    of the 40 rows of a [8, 5] verify apart from the same rows alone (measured here); a
+    target's plan pads the call to a row count where each row rounds as it does alone."""
+    torch.manual_seed(0)
+    holder = torch.nn.Sequential(torch.nn.Linear(8960, 1536, bias=False).to(torch.bfloat16))
+    holder[0].weight.data.normal_()
+    unplanned = PackedLinear(holder[0])
+    target_linears_for(holder, torch.device("cpu"), GRID_ROWS)
+    planned = holder[0]
+    assert isinstance(planned, PackedLinear) and planned.plan is not None
+    x = torch.randn(40, 8960).to(torch.bfloat16)
+    alone = torch.cat([planned(x[i : i + 1]) for i in range(40)])
+    assert torch.equal(planned(x), alone)
+    assert torch.equal(torch.cat([unplanned(x[i : i + 1]) for i in range(40)]), alone)
+    if torch.equal(unplanned(x), alone):
+        pytest.skip("this CPU's oneDNN rounds each of 40 rows as alone without a plan")
