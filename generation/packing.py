@@ -144,11 +144,13 @@ def plan_rows(kind: str, product, in_features: int, out_features: int,
                 (n for n in range(fewest, 2 * fewest + 1) if exact_at(rows, n)), None
             )
         _PLANS[key] = None if None in padded.values() else RowPlan(padded)
-        if _PLANS[key] is None:
-            log.warning("%s rounds rows of a [%d -> %d] linear by their call on this CPU at "
-                        "%s rows", kind, in_features, out_features,
-                        [rows for rows, n in padded.items() if n is None])
     return _PLANS[key]
+
+
+def _no_plan(kind: str, linear: nn.Module, instead: str) -> None:
+    log.warning("%s rounds rows of a [%d -> %d] linear by their call on this CPU whatever the "
+                "padding; this target computes it %s", kind, linear.in_features,
+                linear.out_features, instead)
 
 
 class RowExactLinear(nn.Module):
@@ -176,6 +178,8 @@ class RowExactLinear(nn.Module):
                 kernels.ONEDNN_PACKED_FP32, self._packed_product, self.in_features,
                 self.out_features, row_counts, least)) is not None), None)
         if self.plan is None:
+            if self.packed is not None:
+                _no_plan(kernels.ONEDNN_PACKED_FP32, self, "one row per product")
             self.packed, self.weight, self.kernel = None, weight, PER_ROW
         else:
             self.kernel = kernels.ONEDNN_PACKED_FP32
@@ -245,6 +249,7 @@ def target_linears_for(model: nn.Module, device: torch.device,
                                          child.in_features, child.out_features, row_counts,
                                          PACKED_MIN_ROWS, torch.bfloat16)
                 if swapped.plan is None:
+                    _no_plan(kernels.ONEDNN_PACKED_BF16, child, "in fp32")
                     swapped = None
             if swapped is None and child.weight.is_floating_point():
                 swapped = RowExactLinear(child, row_counts)
