@@ -1,7 +1,7 @@
 """The CPU linear kernel paths side by side on a Qwen model, per decode shape and a prefill:
 oneDNN-packed bf16 (where this CPU runs it), the bf16 fallback (fp32 compute, as on a CPU
 without AVX-512 BF16), fp32 as the reference, and the row-exact forms a target runs of the
-fp32 and fallback paths (`*_row_exact`: oneDNN's prepacked fp32, 1 row padded to 2) beside
+fp32 and fallback paths (`*_row_exact`: oneDNN's prepacked fp32 under a row plan) beside
 MKL's F.linear that a draft runs. `--paths` picks some (each holds a copy of the weights).
 Run it under AVX2_CAPS (tests/test_portability.py) for an AVX2 CPU's MKL and oneDNN code.
 

@@ -198,6 +198,23 @@ def int4pack_mm() -> Probe:
     return _reported(INT4PACK_MM, _tried(INT4PACK_MM, attempt))
 
 
+def rows_as_alone(
+    product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, alone: list[torch.Tensor],
+    rows: int, padded: int,
+) -> bool:
+    """Whether the first `rows` rows of a call of `padded` rows of x get the bits `alone` holds
+    for them (each row computed at the start of a call of the fewest rows)."""
+    out = product(x[:padded])
+    return all(torch.equal(out[row], alone[row]) for row in range(rows))
+
+
+def rows_alone(
+    product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, fewest: int, count: int
+) -> list[torch.Tensor]:
+    """Each of the first `count` rows of x computed at the start of a call of `fewest` rows."""
+    return [product(x[row : row + fewest])[0] for row in range(count)]
+
+
 def rows_round_alike(
     product: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, row_counts: Sequence[int]
 ) -> bool:
@@ -206,13 +223,8 @@ def rows_round_alike(
     so its summation order, by the call's shape: MKL's sgemm has a GEMV for 1 row and other
     kernels for 2-15 and 16+ rows on AVX-512, for 1, 2, 3, 4-48 and 64+ with AVX2 code, which
     would make a record depend on its batch."""
-    fewest = min(row_counts)
-    alone = [product(x[row : row + fewest])[0] for row in range(max(row_counts))]
-    return all(
-        torch.equal(out_row, alone[row])
-        for rows in row_counts
-        for row, out_row in enumerate(product(x[:rows]))
-    )
+    alone = rows_alone(product, x, min(row_counts), max(row_counts))
+    return all(rows_as_alone(product, x, alone, rows, rows) for rows in row_counts)
 
 
 PROBE_ROWS = (2, 3, 4, 5, 8, 15, 16, 40, 56, 72)  # 1 + K and (1 + K) * batch of usual grids

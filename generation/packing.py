@@ -131,19 +131,16 @@ def plan_rows(kind: str, product, in_features: int, out_features: int,
         generator = torch.Generator().manual_seed(0)
         most = max(max(row_counts), least)
         x = torch.randn(2 * most, in_features, generator=generator).to(dtype)
-        alone = [product(x[row : row + least])[0] for row in range(most)]
-
-        def exact_at(rows: int, padded: int) -> bool:
-            out = product(x[:padded])
-            return all(torch.equal(out[row], alone[row]) for row in range(rows))
-
-        padded = {}
-        for rows in row_counts:
+        alone = kernels.rows_alone(product, x, least, most)
+        padded: dict[int, int] = {}
+        for rows in sorted(row_counts):  # the fewest first: a plan that fails, fails cheaply
             fewest = max(rows, least)
-            padded[rows] = next(
-                (n for n in range(fewest, 2 * fewest + 1) if exact_at(rows, n)), None
-            )
-        _PLANS[key] = None if None in padded.values() else RowPlan(padded)
+            found = next((n for n in range(fewest, 2 * fewest + 1)
+                          if kernels.rows_as_alone(product, x, alone, rows, n)), None)
+            if found is None:
+                break
+            padded[rows] = found
+        _PLANS[key] = RowPlan(padded) if len(padded) == len(row_counts) else None
     return _PLANS[key]
 
 
