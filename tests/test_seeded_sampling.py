@@ -9,7 +9,14 @@ import random
 
 import pytest
 import torch
-from engine_helpers import DRAFT_NAMES, SMALL_GRID, drafts, engine_for, varied_prompts
+from engine_helpers import (
+    DRAFT_NAMES,
+    SMALL_GRID,
+    drafts,
+    engine_for,
+    needs_int_mm,
+    varied_prompts,
+)
 
 from generation import Engine
 from generation.draft_length import FixedDraftLength
@@ -124,6 +131,7 @@ def test_smollm2_int8_draft_reproduces_plain_sampling(smollm2_spec):
     assert speculative.stats.accepted > 0
 
 
+@needs_int_mm
 def test_an_int8_target_keeps_its_completions_whatever_the_batch_draft_or_k(
     tiny_llama_dir, tiny_llama_other_dir
 ):

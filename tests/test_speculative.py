@@ -13,6 +13,7 @@ from engine_helpers import (
     drafts,
     engine_for,
     hf_greedy,
+    needs_int_mm,
     varied_prompts,
 )
 from tokenizers import Tokenizer, models
@@ -296,6 +297,7 @@ def test_a_deep_copied_int8_linear_compiles_with_its_own_packed_weights():
         assert torch.equal(torch.compile(copied)(x), copied(x))
 
 
+@needs_int_mm
 def test_exact_int8_linear_is_row_invariant_and_close():
     """A row's output is bitwise the same alone or among 8 neighbours (decode), and both the
     integer product and the prefill's dense product track the float linear."""
@@ -309,6 +311,7 @@ def test_exact_int8_linear_is_row_invariant_and_close():
         assert (got - expected).norm() / expected.norm() < 0.03
 
 
+@needs_int_mm
 def test_exact_int8_rows_padded_for_cudas_kernel_keep_their_results(monkeypatch):
     """CUDA's _int_mm needs more than 16 rows; a decode step's 1-8 rows are padded with zeros
     there. Padding (forced here on CPU) must give every real row the same result."""
