@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -20,12 +21,17 @@ from bench.workloads import SMOLLM2
 from generation import kernels
 from generation.loading import resolve_model_dir
 
+# Set, they make this CPU run another's code (bench/README.md: an AVX2 CPU's kernels here).
+ISA_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
+
 
 def machine(engines: dict | None = None) -> dict:
-    """What every result file records of where it ran: CPU model, ISA, torch, threads, and
-    the linear kernels each engine used (`CORPUSGEN_DISABLE_KERNELS` forces the fallbacks)."""
+    """What every result file records of where it ran: CPU model, ISA (and any library capped
+    below it), torch, threads, and the linear kernels each engine used
+    (`CORPUSGEN_DISABLE_KERNELS` forces the fallbacks)."""
     return {
         **kernels.hardware(),
+        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if name in os.environ},
         "torch_threads": torch.get_num_threads(),
         "disabled_kernels": sorted(kernels.disabled_paths()),
         "kernels": {name: e.hardware_info["cpu_kernels"] for name, e in (engines or {}).items()},
