@@ -225,7 +225,8 @@ class DraftLengthChooser:
     Now and then the losing side is tried once (a K round while plain wins, keeping alpha
     fresh; a plain step while speculation wins, keeping its timing fresh); each try that
     confirms the choice doubles the interval, up to `max_explore_every`. A try of speculation
-    waits until its catch-up is at most `explore_budget` of the plain time spent since the
+    waits until what it is expected to lose (its catch-up, and its round's cost over the plain
+    steps its tokens replace) is at most `explore_budget` of the plain time spent since the
     last one: exploring may never make plain-winning runs noticeably slower, yet a draft that
     would pay is found within a bounded amount of plain decoding.
     With a DraftStopper (model drafts, K auto) a chosen K > 0 only says "speculate": the round
@@ -329,13 +330,18 @@ class DraftLengthChooser:
         """Whether rows being admitted should get draft state (its prefill) now."""
         return self._best(b, target_seconds, draft_seconds, prefill_seconds, horizon)[0] > 0
 
+    def _round(self, b: int, k: int, target_seconds, draft_seconds, horizon: float):
+        """A K round's expected tokens per row (at most `horizon`) and its whole-step cost."""
+        alpha = self.alpha
+        tokens = min((1 - alpha ** (k + 1)) / (1 - alpha), max(horizon, 1.0))
+        return tokens, self.step_cost(b, k, draft_seconds(k) + target_seconds(k + 1))
+
     def _best(self, b: int, target_seconds, draft_seconds, switch_seconds: float, horizon: float):
-        alpha, horizon = self.alpha, max(horizon, 1.0)
+        horizon = max(horizon, 1.0)
         plain = self.step_cost(b, 0, target_seconds(1))
         best_k, best_rate = 0, 1.0 / plain
         for k in self.grid_ks:
-            tokens = min((1 - alpha ** (k + 1)) / (1 - alpha), horizon)
-            cost = self.step_cost(b, k, draft_seconds(k) + target_seconds(k + 1))
+            tokens, cost = self._round(b, k, target_seconds, draft_seconds, horizon)
             rate = tokens / (cost + switch_seconds * tokens / horizon)
             if rate > best_rate:
                 best_k, best_rate = k, rate
@@ -362,8 +368,11 @@ class DraftLengthChooser:
         if self.since_explore >= self.interval:
             self.since_explore = 0
             self.interval = min(2 * self.interval, self.max_interval)
-            affordable = switch_seconds <= self.explore_budget * self.plain_since_try
-            chosen = 0 if best_k else (self.grid_ks[0] if affordable else 0)
+            try_k = self.grid_ks[0]
+            tokens, cost = self._round(b, try_k, target_seconds, draft_seconds, horizon)
+            loss = switch_seconds + cost - tokens * plain  # what the try costs over plain steps
+            affordable = loss <= self.explore_budget * self.plain_since_try
+            chosen = 0 if best_k else (try_k if affordable else 0)
         self.plain_since_try = 0.0 if chosen else self.plain_since_try + plain
         return chosen
 

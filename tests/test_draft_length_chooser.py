@@ -70,18 +70,20 @@ def test_a_one_off_cost_is_paid_back_only_over_the_tokens_left():
     assert chooser.choose(8, *prices, 6.0, 256) == 2
 
 
-def test_exploring_speculation_waits_until_its_catch_up_fits_the_budget():
-    """A try costing 0.3 s waits for 6 plain seconds (5 %), counted across explore intervals,
-    so a paying draft is still found while plain decoding wins on the prior."""
+def test_exploring_speculation_waits_until_its_expected_loss_fits_the_budget():
+    """A try loses its catch-up plus its round's cost over the plain steps its tokens replace:
+    here a K=2 round costs 1.3 plain steps for 1 token (nothing is ever accepted). At a 5 %
+    budget it waits for 0.3 / 0.05 = 6 plain seconds with no catch-up, 8 with 0.1 s of it,
+    counted across explore intervals; so a paying draft is still found while plain wins."""
 
     def choices(switch_seconds: float) -> list[int]:
         chooser = DraftLengthChooser([2], explore_every=4, max_explore_every=4, explore_budget=0.05)
         chooser.accepted, chooser.trials = 0.0, 1e6  # nothing is ever accepted: plain wins
         prices = (target_seconds, draft_seconds, switch_seconds, LONG)
-        return [chooser.choose(1, *prices) for _ in range(8)]
+        return [chooser.choose(1, *prices) for _ in range(12)]
 
-    assert choices(0.1) == [0, 0, 0, 2, 0, 0, 0, 2]  # 0.1 s <= 5 % of 4 plain seconds
-    assert choices(0.3) == [0, 0, 0, 0, 0, 0, 0, 2]  # 0.3 s <= 5 % of 8 plain seconds
+    assert choices(0.0) == [0] * 7 + [2] + [0] * 4  # 7 plain seconds at the second interval
+    assert choices(0.1) == [0] * 11 + [2]  # 11 at the third
 
 
 GRID = SMALL_GRID.model_copy(update={"cache_lengths": [64, 192]})
