@@ -212,8 +212,10 @@ def test_a_compiled_draft_is_priced_without_its_compile_and_speculates(
     """Each shape's first call compiles (here: a 0.3 s stand-in for inductor's tens of
     seconds). A prefill runs once per prompt, so were that call its price, the draft's
     prefill would look like a compile and K auto would never leave plain decoding. The
-    target's forwards sleep 15 ms, so that it costs several draft steps, as a 1.5B target
-    does its int8 0.5B draft: on the tiny model itself, speculation does not pay."""
+    target's forwards sleep 200 ms, so that it costs several draft steps, as a 1.5B target
+    does its int8 0.5B draft: on the tiny model itself, speculation does not pay. (15 ms was
+    too little on a starved host: a niced run beside a benchmark measured the tiny draft's
+    step at 114 ms.)"""
     import torch._inductor.compile_fx
 
     def slow_compile(graph_module, example_inputs):
@@ -227,7 +229,7 @@ def test_a_compiled_draft_is_priced_without_its_compile_and_speculates(
     target_forward = engine.target._forward
 
     def slow_target_forward(**inputs):
-        time.sleep(0.015)
+        time.sleep(0.2)
         return target_forward(**inputs)
 
     engine.target._forward = slow_target_forward
