@@ -60,7 +60,8 @@ def test_a_bf16_engine_packs_its_linears_and_keeps_its_tokens(tiny_llama_dir, ti
         draft = DraftSpec(
             kind="model", model=ModelSpec(path=str(tiny_llama_other_dir), dtype="bfloat16")
         )
-        return engine_for(tiny_llama_dir, target=bf16, draft=draft)
+        # A fixed K: the drafts must run, and K auto prices a same-size draft out of it.
+        return engine_for(tiny_llama_dir, target=bf16, draft=draft, num_draft_tokens=2)
 
     prompts, params = varied_prompts(6), SamplingParams(max_new_tokens=16)
     packed = engine()
