@@ -21,9 +21,6 @@ from bench.workloads import SMOLLM2
 from generation import kernels
 from generation.loading import resolve_model_dir
 
-# Set, they make this CPU run another's code (bench/README.md: an AVX2 CPU's kernels here).
-ISA_CAPS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
-
 
 def machine(engines: dict | None = None) -> dict:
     """What every result file records of where it ran: CPU model, ISA (and any library capped
@@ -31,7 +28,7 @@ def machine(engines: dict | None = None) -> dict:
     (`CORPUSGEN_DISABLE_KERNELS` forces the fallbacks)."""
     return {
         **kernels.hardware(),
-        "isa_caps": {name: os.environ[name] for name in ISA_CAPS if name in os.environ},
+        "isa_caps": {name: os.environ[name] for name in kernels.AVX2_CAPS if name in os.environ},
         "torch_threads": torch.get_num_threads(),
         "disabled_kernels": sorted(kernels.disabled_paths()),
         "kernels": {name: e.hardware_info["cpu_kernels"] for name, e in (engines or {}).items()},

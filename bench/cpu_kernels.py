@@ -3,7 +3,7 @@ oneDNN-packed bf16 (where this CPU runs it), the bf16 fallback (fp32 compute, as
 without AVX-512 BF16), fp32 as the reference, and the row-exact forms a target runs of the
 fp32 and fallback paths (`*_row_exact`: oneDNN's prepacked fp32 under a row plan) beside
 MKL's F.linear that a draft runs. `--paths` picks some (each holds a copy of the weights).
-Run it under AVX2_CAPS (tests/test_portability.py) for an AVX2 CPU's MKL and oneDNN code.
+Run it under `kernels.AVX2_CAPS` (generation/kernels.py) for an AVX2 CPU's MKL and oneDNN code.
 
 One process, one thread; the runners hold loads of the same weights and take turns, one
 set of shapes each, so machine drift hits all of them; medians. Prints JSON naming the CPU;

@@ -316,6 +316,13 @@ def cpu_summary() -> str:
     return f"{cpu_model()}, {cpu_isa()}"
 
 
+# What an AVX2-only CPU makes each library do, asked of the libraries themselves: torch's own
+# kernels, MKL and oneDNN each run their AVX2 code, and oneDNN refuses its bf16 kernels. Set
+# in the environment before torch loads, they give an AVX2 CPU's kernel paths on any x86 CPU.
+AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
+             "ONEDNN_MAX_CPU_ISA": "AVX2"}
+
+
 def hardware() -> dict[str, str]:
     """What a benchmark result or a metrics row records about the machine."""
     return {

@@ -113,10 +113,6 @@ def test_the_fallback_keeps_bf16_weights_values_and_computes_in_fp32():
 
 
 QEMU = shutil.which("qemu-x86_64")
-# What an AVX2-only CPU makes each library do, asked of the libraries themselves: torch's own
-# kernels, MKL and oneDNN each run their AVX2 code, and oneDNN refuses its bf16 kernels.
-AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "ONEDNN_MAX_CPU_ISA": "AVX2"}
 
 
 def portable_check(model_dir: Path, prefix: list[str], caps: dict[str, str],
@@ -142,7 +138,7 @@ def test_with_each_library_capped_at_avx2_the_engine_falls_back_and_stays_exact(
 ):
     """MKL and torch's kernels change their summation order with the ISA, so the fallback's
     exactness (speculation = plain decoding, greedy and seeded) is checked on AVX2 code too."""
-    result, log = portable_check(tiny_llama_small_vocab_dir, [], AVX2_CAPS)
+    result, log = portable_check(tiny_llama_small_vocab_dir, [], kernels.AVX2_CAPS)
     assert result["cpu_isa"].startswith("AVX2 ")
     assert "avx512bw" in result["probes"][kernels.ONEDNN_PACKED_BF16]
     assert result["probes"][kernels.ONEDNN_PACKED_FP32] == "probe passed"
