@@ -47,6 +47,21 @@ def _raise_recompile_limit(grid: BucketGrid) -> None:
     )
 
 
+def compile_for_this_cpu(graph_module, example_inputs):
+    """Inductor's compile, with the vector width it picks for CPU code (from the CPU and
+    ATEN_CPU_CAPABILITY) named in its config. Its on-disk graph cache keys on the config but
+    not on that pick, so a graph cached by an AVX-512 process and loaded under AVX2 caps ran
+    16-lane code built as 8-lane, reading out of bounds; named, the width is in the key."""
+    from torch._inductor import config
+    from torch._inductor.compile_fx import compile_fx
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    if config.cpp.simdlen is not None:  # a user's explicit choice is in the key already
+        return compile_fx(graph_module, example_inputs)
+    with config.patch({"cpp.simdlen": pick_vec_isa().bit_width()}):
+        return compile_fx(graph_module, example_inputs)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -104,10 +119,8 @@ class ModelRunner:
         return self._forward.captures if isinstance(self._forward, GraphedForward) else 0
 
     def _counting_backend(self, graph_module, example_inputs):
-        from torch._inductor.compile_fx import compile_fx
-
         self.compiles += 1
-        return compile_fx(graph_module, example_inputs)
+        return compile_for_this_cpu(graph_module, example_inputs)
 
     @property
     def forwards(self) -> int:

@@ -169,3 +169,35 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
     assert result["kernels"]["int4-target"] == "target=int4pack-mm+onednn-packed-fp32"
     assert all(result["identical"].values()), result["identical"]
     assert "kernel onednn-packed-bf16 unavailable, using the fallback" in log
+
+
+def _inductor_has_avx2() -> bool:
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    return any(str(isa) == "avx2" for isa in valid_vec_isa_list())
+
+
+@pytest.mark.skipif(not _inductor_has_avx2(), reason="needs AVX2: two vector widths to pick")
+def test_a_graph_compiled_under_one_isa_cap_is_not_reused_under_another(monkeypatch):
+    """Inductor's graph cache on disk left out the vector width it picked from
+    ATEN_CPU_CAPABILITY: a graph cached by a native AVX-512 process ran under AVX2 caps with
+    16-lane code built as 8-lane and read out of bounds. Compiled under AVX2 caps, then with
+    vectorization off, the same graph must be compiled again, not found in the cache."""
+    from torch._dynamo.utils import counters
+    from torch._inductor.utils import fresh_cache
+
+    from generation.runner import compile_for_this_cpu
+
+    def scaled_rows(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        return x[rows] * 2.0 + 1.0
+
+    x, rows = torch.arange(64.0).reshape(4, 16), torch.tensor([3, 0, 2])
+    with fresh_cache():
+        for capability in ("avx2", "default"):
+            monkeypatch.setenv("ATEN_CPU_CAPABILITY", capability)
+            torch._dynamo.reset()
+            counters.clear()
+            compiled = torch.compile(scaled_rows, backend=compile_for_this_cpu, dynamic=False)
+            assert torch.equal(compiled(x, rows), scaled_rows(x, rows))
+            assert counters["inductor"]["fxgraph_cache_hit"] == 0, capability
+            assert counters["inductor"]["fxgraph_cache_miss"] == 1, capability
