@@ -123,7 +123,8 @@ def hf_contender(model, tokenizer, encode, max_new_tokens: int, **kwargs):
 
 def summed_acceptance(stats: list) -> dict:
     """vLLM's acceptance figures over several calls' engine stats, their steps by K, and where
-    their time went (prefill, plain steps, drafting, verifying)."""
+    their time went (prefill, the draft's share of it, plain steps, drafting, verifying, the
+    host's work between them)."""
     accepted = sum(s.accepted for s in stats)
     proposed = sum(s.proposed for s in stats)
     rounds = sum(s.rounds for s in stats)
@@ -137,7 +138,7 @@ def summed_acceptance(stats: list) -> dict:
         "steps_per_k": dict(sorted(steps.items())),
         "seconds": {
             phase: rounded(sum(getattr(s, f"{phase}_seconds") for s in stats))
-            for phase in ("wall", "prefill", "decode", "draft", "verify")
+            for phase in ("wall", "prefill", "draft_prefill", "decode", "draft", "verify", "host")
         },
     }
 

@@ -29,12 +29,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from bench._common import decoding_arguments, machine, print_result
+from bench._common import decoding_arguments, machine, print_result, summed_acceptance
 from bench.qwen_pair import DRAFT, GRID, PROMPT_SETS, TARGET, build_engines
 from generation import Engine
 from generation.loading import assemble, packaged_gguf, resolve_model_dir
@@ -62,12 +62,14 @@ class Prompt:
 
 @dataclass
 class Run:
-    """One contender call: generated tokens per prompt, wall seconds, and what it reported."""
+    """One contender call: generated tokens per prompt, wall seconds, and what it reported
+    (llama.cpp's own figures; our engine's stats)."""
 
     tokens: list[int]
     seconds: float
     outputs: list[list[int] | str] | None = None
     detail: dict | None = None
+    stats: object | None = None
 
 
 Contender = Callable[[list[Prompt]], Run]
@@ -77,10 +79,12 @@ Contender = Callable[[list[Prompt]], Run]
 
 def our_contender(engine: Engine, params: SamplingParams) -> Contender:
     def run(prompts: list[Prompt]) -> Run:
+        engine.reset_stats()
         started = time.perf_counter()
         done = engine.generate([p.messages for p in prompts], params)
         seconds = time.perf_counter() - started
-        return Run([len(c.token_ids) for c in done], seconds, [c.token_ids for c in done])
+        return Run([len(c.token_ids) for c in done], seconds, [c.token_ids for c in done],
+                   stats=engine.stats)
 
     return run
 
@@ -252,17 +256,22 @@ class VllmWorker:
 
 @dataclass
 class Timings:
-    """tok/s per `set/b<batch>/contender` key and repetition, and each call's outputs."""
+    """tok/s per `set/b<batch>/contender` key and repetition, and each call's outputs; for
+    our engines, the last repetition's steps by K and seconds by phase (why a ratio is what it
+    is, from the same run)."""
 
     rates: dict[str, list[float]]
     outputs: dict[str, list]
     details: dict[str, list]
+    steps: dict[str, dict] = field(default_factory=dict)
 
     def record(self, key: str, runs: list[Run]) -> None:
         tokens = sum(sum(r.tokens) for r in runs)
         self.rates.setdefault(key, []).append(tokens / sum(r.seconds for r in runs))
         self.outputs[key] = [r.outputs for r in runs]
         self.details[key] = [r.detail for r in runs if r.detail]
+        if stats := [r.stats for r in runs if r.stats is not None]:
+            self.steps[key] = summed_acceptance(stats)
 
 
 def time_side_by_side(
@@ -417,6 +426,7 @@ def main() -> None:
             is not None and not key.endswith("/ours_bf16_plain")
         },
         "llama_details": {key: value for key, value in timings.details.items() if value},
+        "our_steps": timings.steps,
         "seconds": round(time.perf_counter() - started),
     }
     print_result(result, args.out)
