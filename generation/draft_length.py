@@ -228,7 +228,9 @@ class DraftLengthChooser:
     waits until what it is expected to lose (its catch-up, and its round's cost over the plain
     steps its tokens replace) is at most `explore_budget` of the plain time spent since the
     last one: exploring may never make plain-winning runs noticeably slower, yet a draft that
-    would pay is found within a bounded amount of plain decoding.
+    would pay is found within a bounded amount of plain decoding. Where rounds already ran at
+    the batch bucket, a try's tokens are priced at what they realized, not at what the model
+    expects: a model that overrates the draft would otherwise call every try free.
     With a DraftStopper (model drafts, K auto) a chosen K > 0 only says "speculate": the round
     drafts up to the largest grid K and the stopper picks where it ends; the rounds it ran
     are what alpha and the step costs learn from.
@@ -370,6 +372,9 @@ class DraftLengthChooser:
             self.interval = min(2 * self.interval, self.max_interval)
             try_k = self.grid_ks[0]
             tokens, cost = self._round(b, try_k, target_seconds, draft_seconds, horizon)
+            realized = self.realized_speedup(b, plain)
+            if realized is not None:  # rounds ran here: a try earns at most what they earned
+                tokens = min(tokens, realized * cost / plain)
             loss = switch_seconds + cost - tokens * plain  # what the try costs over plain steps
             affordable = loss <= self.explore_budget * self.plain_since_try
             chosen = 0 if best_k else (try_k if affordable else 0)

@@ -4,6 +4,8 @@ skipped catches up exactly."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from engine_helpers import SMALL_GRID, engine_for, varied_prompts
 
@@ -196,13 +198,38 @@ def test_rounds_that_pay_are_never_vetoed():
 
 def test_the_veto_lifts_when_exploring_rounds_pay_again():
     """Bursty text vetoes speculation; then every drafted token is kept (the text changed):
-    the rounds exploration still tries bring the realized payoff above plain again."""
+    the rounds exploration still tries bring the realized payoff above plain again. Tries
+    are priced at the loss the vetoed rounds realized, so they come ~30 plain steps apart
+    and the change (at the 8th round) is found by the 4th try."""
     chooser = DraftLengthChooser([4], explore_every=6, max_explore_every=12)
     chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
-    chosen = run_rounds(chooser, lambda i: bursty(i) if i < 8 else 4, 80)
+    chosen = run_rounds(chooser, lambda i: bursty(i) if i < 8 else 4, 160)
     vetoed = next(i for i in range(len(chosen)) if chosen[i : i + 4] == [0] * 4)
     assert vetoed < 10
     assert chosen[-24:].count(4) >= 22  # speculating again, a plain step now and then
+
+
+def test_a_vetoed_draft_is_tried_at_the_loss_its_rounds_realized():
+    """The model expects a K=4 round (its step measured at 3.2 s) to give 4.26 tokens (alpha
+    0.92): 1.33x plain. By wall time rounds give 2.4 tokens (0.75x), so after 4 the payoff
+    check vetoes them. A try is then priced at what rounds realized, 3.2 s x 0.25 = 0.8 s
+    lost, and at the 2 % budget waits for 40 plain seconds. Priced by the model it would look
+    free and come every explore interval (as on an AVX2 CPU's int4 target at batch 8)."""
+    chooser = DraftLengthChooser([4], explore_every=6, max_explore_every=12)
+    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    chosen = []
+    for _ in range(200):
+        chooser.accepted, chooser.trials = 0.92e6, 1e6  # the model's alpha stays 0.92
+        k = chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG)
+        chosen.append(k)
+        chooser.observe_step(1, k, seconds=3.2 if k else 1.0, forward_seconds=3.2 if k else 1.0)
+        if k:
+            chooser.observe_round_payoff(1, 3.2, 2.4)
+    rounds = [step for step, k in enumerate(chosen) if k]
+    assert rounds[:4] == [0, 1, 2, 3]
+    tries = rounds[4:]
+    assert 2 <= len(tries) <= 5
+    assert all(later - earlier > 40 for earlier, later in itertools.pairwise(rounds[3:]))
 
 
 @pytest.mark.parametrize("payoff_rounds", [4, 10**6])
