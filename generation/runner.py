@@ -56,9 +56,8 @@ def compile_for_this_cpu(graph_module, example_inputs):
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    if config.cpp.simdlen is not None:  # a user's explicit choice is in the key already
-        return compile_fx(graph_module, example_inputs)
-    with config.patch({"cpp.simdlen": pick_vec_isa().bit_width()}):
+    simdlen = config.cpp.simdlen  # a user's explicit choice is in the key already
+    with config.patch({"cpp.simdlen": pick_vec_isa().bit_width() if simdlen is None else simdlen}):
         return compile_fx(graph_module, example_inputs)
 
 
