@@ -240,7 +240,13 @@ class DraftLengthChooser:
     rounds ran at a batch bucket, their tokens per row over their wall time, against a plain
     step's measured time there, must beat plain decoding, or that bucket decodes plain. The
     veto lifts when the tries that exploration still makes bring the realized payoff back
-    above plain.
+    above plain. Rounds and plain steps must be compared in the same stretch of time: a host
+    that is busy for a while slows both, but while speculation wins plain steps are rare, and
+    a plain price measured in a busy stretch made slower rounds look a win (an int4 target at
+    batch 8, AVX2 code: rounds at ~0.75x of plain by fresh prices, ~1.1x by a stale one). So
+    a step price last measured more than `stale_steps` steps ago is replaced by the next
+    measurement, not averaged with it, and where the payoff check judges rounds against a
+    plain price that old, one plain step measures it afresh first.
     """
 
     def __init__(
@@ -254,6 +260,7 @@ class DraftLengthChooser:
         carried_trials: float = 4.0,
         payoff_rounds: int = 4,
         payoff_decay: float = 0.8,
+        stale_steps: int = 32,
     ):
         self.grid_ks, self.decay = grid_ks, decay
         self.base_interval, self.max_interval = explore_every, max_explore_every
@@ -266,6 +273,9 @@ class DraftLengthChooser:
         self.row_token_seconds = 0.0  # a batch step's cost per token of one row, at the best K
         self.step_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> whole step, averaged
         self.forward_seconds: dict[tuple[int, int], float] = {}  # (b, K) -> its forwards then
+        self.clock = 0  # steps chosen so far
+        self.measured_at: dict[tuple[int, int], int] = {}  # (b, K) -> clock when last measured
+        self.stale_steps = stale_steps
         self.payoff_rounds = payoff_rounds
         self.rounds_at: dict[int, int] = {}  # b -> speculative rounds run at batch bucket b
         self.payoff_decay = payoff_decay
@@ -292,9 +302,12 @@ class DraftLengthChooser:
             self.trials += count + (count < k)
 
     def observe_step(self, b: int, k: int, seconds: float, forward_seconds: float) -> None:
-        """A whole step's wall time and its model forwards' share, for pricing steps."""
+        """A whole step's wall time and its model forwards' share, for pricing steps; a price
+        gone stale is replaced, a fresh one averaged."""
         key = (b, k)
-        if key not in self.step_seconds:
+        stale = self._stale(key)
+        self.measured_at[key] = self.clock
+        if stale:
             self.step_seconds[key], self.forward_seconds[key] = seconds, forward_seconds
             return
         self.step_seconds[key] += 0.25 * (seconds - self.step_seconds[key])
@@ -307,6 +320,10 @@ class DraftLengthChooser:
         self.rounds_at[b] = self.rounds_at.get(b, 0) + 1
         self.round_seconds[b] = self.round_seconds.get(b, 0.0) * fade + seconds
         self.round_row_tokens[b] = self.round_row_tokens.get(b, 0.0) * fade + tokens_per_row
+
+    def _stale(self, key: tuple[int, int]) -> bool:
+        """Never measured, or last measured more than `stale_steps` steps ago."""
+        return key not in self.measured_at or self.clock - self.measured_at[key] > self.stale_steps
 
     def realized_speedup(self, b: int, plain_seconds: float) -> float | None:
         """Tokens per second the rounds at batch bucket b gave, over a plain step's (one
@@ -360,6 +377,7 @@ class DraftLengthChooser:
         horizon: tokens the batch's rows have left, over which that extra is paid back."""
         self.accepted *= self.decay
         self.trials *= self.decay
+        self.clock += 1
         best_k, plain, rate = self._best(b, target_seconds, draft_seconds, switch_seconds, horizon)
         self.row_token_seconds = 1.0 / rate
         if (best_k == 0) != (self.last_best == 0):  # the choice flipped: explore eagerly again
@@ -378,6 +396,8 @@ class DraftLengthChooser:
             loss = switch_seconds + cost - tokens * plain  # what the try costs over plain steps
             affordable = loss <= self.explore_budget * self.plain_since_try
             chosen = 0 if best_k else (try_k if affordable else 0)
+        if chosen and self.rounds_at.get(b, 0) >= self.payoff_rounds and self._stale((b, 0)):
+            chosen = 0  # the payoff check's plain price is stale: measure a plain step first
         self.plain_since_try = 0.0 if chosen else self.plain_since_try + plain
         return chosen
 

@@ -190,10 +190,38 @@ def test_a_round_that_does_not_pay_in_wall_time_turns_speculation_off_within_a_f
 
 
 def test_rounds_that_pay_are_never_vetoed():
+    """Only interrupted, once plain's price is `stale_steps` old, by one plain step that
+    measures it again."""
     chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000)
     chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
-    assert run_rounds(chooser, lambda i: 2 if i % 4 == 3 else 4, 40) == [4] * 40
+    chosen = run_rounds(chooser, lambda i: 2 if i % 4 == 3 else 4, 80)
+    assert chosen == ([4] * 32 + [0]) * 2 + [4] * 14
     assert chooser.realized_speedup(1, 1.0) > 1.3
+
+
+@pytest.mark.parametrize("stale_steps", [32, 10**6])
+def test_rounds_are_judged_against_a_plain_price_of_the_same_stretch(stale_steps):
+    """Plain steps measured while the host was busy (1.5 s); then it is quiet: a plain step
+    takes 1 s and a K=4 round 3.2 s for 2.4 tokens (0.75x). Against the old 1.5 s the rounds
+    look a 1.13x win; once that price is `stale_steps` old, one plain step measures 1 s, which
+    replaces it, and the payoff check vetoes the rounds. Never stale (10**6), they run on."""
+    chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
+                                 stale_steps=stale_steps)
+    for _ in range(4):
+        chooser.observe_step(1, 0, seconds=1.5, forward_seconds=1.5)
+    chosen = []
+    for _ in range(80):
+        chooser.accepted, chooser.trials = 0.92e6, 1e6  # the model's alpha stays 0.92
+        k = chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG)
+        chosen.append(k)
+        chooser.observe_step(1, k, seconds=3.2 if k else 1.0, forward_seconds=3.2 if k else 1.0)
+        if k:
+            chooser.observe_round_payoff(1, 3.2, 2.4)
+    if stale_steps == 10**6:
+        assert chosen == [4] * 80
+        return
+    assert chosen[:32] == [4] * 32 and chosen[32:] == [0] * 48
+    assert chooser.step_seconds[(1, 0)] == 1.0
 
 
 def test_the_veto_lifts_when_exploring_rounds_pay_again():
