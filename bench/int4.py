@@ -1,16 +1,20 @@
 """Do 4-bit weights (quantize: int4) pay on this CPU? Decode step times and the weight bytes a
-step reads, int4 against bf16 and fp32, on the Qwen 1.5B target and SmolLM2.
+step reads, int4 and int4+int8 against bf16 and fp32, on the Qwen 1.5B target and SmolLM2.
 
 int4 is the model's GGUF 4-bit blocks run by torch's int4 kernel, its other linears bf16
-(packed by oneDNN where it runs); bf16 and fp32 are the GGUF's dequantized weights. One
-process, one thread; the three runners take turns shape by shape within each repetition, so
-drift hits all of them; medians. Shapes: [b, 1] decode steps at batch 1 and 8 (tok/s = b /
-step time) and the [b, 5] verifies a K=4 round costs. Also: the LM head the int4 model keeps
-(Q6_K / Q8_0 in the GGUFs) in bf16 against torch's int8 weight-only kernel; how far the
-kernel's bf16 scales move the shipped weights (`scale_rounding`), beside what bf16 weights
-move them. Prints
-JSON naming the machine and writes it to bench/results/int4-<isa>-<date>.json.
-Usage: python bench/int4.py [--repeats 7] [--models NAME ...]  (packaged names: Qwen 1.5B, SmolLM2)
+(packed by oneDNN where it runs, else computed in fp32); int4+int8 the same with those other
+linears int8 per channel (torch's int8 weight-only kernel); bf16 and fp32 are the GGUF's
+dequantized weights. One process, one thread; the runners take turns shape by shape within
+each repetition, so drift hits all of them; medians. `--contenders` picks some (with an
+AVX2 CPU's code every bf16 weight is held in fp32, and four 1.5B runners need ~27 GB).
+Shapes: [b, 1] decode steps at batch 1 and 8 (tok/s = b / step time) and the [b, 5]
+verifies a K=4 round costs. Also: the LM head the int4 model keeps (Q6_K / Q8_0 in the
+GGUFs) in bf16 against torch's int8 weight-only kernel; how far the kernel's bf16 scales
+move the shipped weights (`scale_rounding`), beside what bf16 weights move them; what int8
+per channel moves the other linears (`int8_rounding`). Prints JSON naming the machine and
+writes it to bench/results/int4-<isa>-<date>.json.
+Usage: python bench/int4.py [--repeats 7] [--models NAME ...] [--contenders KIND ...]
+(packaged names: Qwen 1.5B, SmolLM2)
 """
 
 from __future__ import annotations
@@ -29,7 +33,16 @@ from torch import nn
 from bench._common import machine
 from bench.compile_pair import decode_seconds
 from generation import gguf_int4, kernels
-from generation.int4 import Int4Linear, Int4Weights, int4_linears, int4_weights_of
+from generation.int4 import (
+    Int4Linear,
+    Int4Weights,
+    Int8WeightOnlyLinear,
+    Int8Weights,
+    WeightOnlyLinear,
+    int4_weights_of,
+    int8_weights_of,
+    weight_only_linears,
+)
 from generation.loading import load_model, load_state_dict, resolve_model_dir, shipped_int4
 from generation.packing import PackedLinear
 from generation.runner import ModelRunner
@@ -42,15 +55,18 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def decode_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights one decode step reads: each linear's kernel operand (4-bit codes and
-    bf16 scales, oneDNN's packed bf16, or plain weights; not an int4 linear's bf16 copy, which
-    only prefills run) and the norms. Embedding rows (b of them) are left out."""
-    prefill_only = {id(m.dense) for m in model.modules() if isinstance(m, Int4Linear)}
+    bf16 scales, int8 codes and scales, oneDNN's packed bf16, or plain weights; not a
+    weight-only linear's bf16 copy, which only prefills run) and the norms. Embedding rows
+    (b of them) are left out."""
+    prefill_only = {id(m.dense) for m in model.modules() if isinstance(m, WeightOnlyLinear)}
     total = 0
     for module in model.modules():
         if id(module) in prefill_only or isinstance(module, nn.Embedding):
             continue
         if isinstance(module, Int4Linear):
             tensors = [module.packed, module.scales_and_zeros, module.bias]
+        elif isinstance(module, Int8WeightOnlyLinear):
+            tensors = [module.codes, module.scales, module.bias]
         elif isinstance(module, PackedLinear):
             tensors = [module.packed, module.bias]
         else:
@@ -89,39 +105,65 @@ def scale_rounding(shipped: dict[str, Int4Weights]) -> dict[str, float]:
     }
 
 
-def runners(name: str) -> tuple[dict[str, ModelRunner], dict[str, Int4Weights]]:
-    """fp32, bf16 and int4 runners of one packaged model, each on its own copy; the int4 one
-    built as load_model builds it, from the shipped 4-bit tensors (cached once)."""
+CONTENDERS = ("fp32", "bf16", "int4", "int4+int8")
+
+
+def int8_rounding(int8: dict[str, Int8Weights], model: nn.Module) -> dict[str, float]:
+    """How far int8 per channel moves the linears the GGUF does not ship in 4 bits (against
+    their shipped values, the fp32 `model`'s): RMS over the weights' RMS, overall and at the
+    worst linear."""
+    modules = dict(model.named_modules())
+    errors, weights = {}, {}
+    for name, compact in int8.items():
+        exact = modules[name].weight.detach().float()
+        errors[name] = float((compact.multiplied(torch.float32) - exact).double().square().sum())
+        weights[name] = float(exact.double().square().sum())
+    return {
+        "rms_over_weight_rms": round((sum(errors.values()) / sum(weights.values())) ** 0.5, 5),
+        "worst_linear": round(max((errors[n] / weights[n]) ** 0.5 for n in int8), 5),
+        "weights": sum(w.codes.numel() for w in int8.values()),
+    }
+
+
+def runners(name: str, contenders: list[str]) -> tuple[dict[str, ModelRunner], dict]:
+    """The contenders' runners of one packaged model, each on its own copy; the int4 ones built
+    as load_model builds them, from the shipped 4-bit tensors (cached once); and what was
+    measured of the weights themselves."""
     cpu = torch.device("cpu")
     spec = ModelSpec(path=f"packaged:{name}")
     fp32 = load_model(spec, GRID.max_cache, cpu).model
-    bf16 = copy.deepcopy(fp32).to_dtype(torch.bfloat16)
     directory = resolve_model_dir(spec)
     cached = (directory / gguf_int4.CACHE_FILE).is_file()
     shipped = shipped_int4(spec, directory, {} if cached else load_state_dict(directory))
-    int4 = int4_linears(copy.deepcopy(bf16), int4_weights_of(bf16, shipped), cpu)
-    built = {
-        "fp32": ModelRunner(fp32, GRID, cpu, torch.float32),
-        "bf16": ModelRunner(bf16, GRID, cpu, torch.bfloat16),
-        "int4": ModelRunner(int4, GRID, cpu, torch.bfloat16),
-    }
-    return built, shipped
+    int4 = int4_weights_of(fp32, shipped)
+    int8 = int8_weights_of(fp32, int4)
+    compact = {"bf16": {}, "int4": int4, "int4+int8": int4 | int8}
+    built = {}
+    for kind in contenders:
+        if kind == "fp32":
+            built[kind] = ModelRunner(copy.deepcopy(fp32), GRID, cpu, torch.float32)
+            continue
+        model = weight_only_linears(copy.deepcopy(fp32).to_dtype(torch.bfloat16), compact[kind],
+                                    cpu)
+        built[kind] = ModelRunner(model, GRID, cpu, torch.bfloat16)
+    weights = {"scale_rounding": scale_rounding(shipped),
+               "int8_rounding": int8_rounding(int8, fp32)}
+    if "int4" in built:
+        weights["kept_lm_head_ms"] = kept_head_ms(built["int4"].model.lm_head, int8["lm_head"])
+    return built, weights
 
 
-def kept_head_ms(
-    head: nn.Module, weight: torch.Tensor, repeats: int
-) -> dict[str, dict[str, float]]:
+def kept_head_ms(head: nn.Module, int8: Int8Weights, repeats: int = 7) -> dict[str, dict]:
     """The LM head the int4 model keeps (not 4-bit in either GGUF) as it runs (bf16, packed by
-    oneDNN here) against torch's int8 weight-only kernel on the same `weight` rounded per
-    channel, at 1 and 8 rows, taking turns; medians in ms."""
-    scales = weight.float().abs().amax(1).clamp_min(1e-8) / 127
-    int8 = (weight.float() / scales[:, None]).round().to(torch.int8)
+    oneDNN where it runs) against torch's int8 weight-only kernel on the same weight rounded
+    per channel, at 1 and 8 rows, taking turns; medians in ms."""
+    scales = int8.scales.bfloat16()
     contenders = {"bf16": head, "int8_weight_only": lambda x: torch.ops.aten._weight_int8pack_mm(
-        x, int8, scales.bfloat16())}
+        x, int8.codes, scales)}
     times: dict[str, dict[str, list[float]]] = {kind: {} for kind in contenders}
     for _ in range(repeats + 1):  # the first round pays set-up
         for rows in (1, 8):
-            x = torch.randn(rows, weight.shape[1]).bfloat16()
+            x = torch.randn(rows, int8.codes.shape[1]).bfloat16()
             for kind, product in contenders.items():
                 started = time.perf_counter()
                 product(x)
@@ -130,8 +172,8 @@ def kept_head_ms(
             for kind, by_rows in times.items()}
 
 
-def measure(name: str, repeats: int) -> dict:
-    built, shipped = runners(name)
+def measure(name: str, repeats: int, contenders: list[str]) -> dict:
+    built, weights = runners(name, contenders)
     for runner in built.values():  # first calls pay one-time set-up
         for b, t in SHAPES:
             decode_seconds(runner, b, t)
@@ -151,20 +193,22 @@ def measure(name: str, repeats: int) -> dict:
             for kind in ms
         },
         "over_bf16": {kind: {shape: round(ms[kind][shape] / ms["bf16"][shape], 3)
-                             for shape in ms[kind]} for kind in ms if kind != "bf16"},
+                             for shape in ms[kind]} for kind in ms if "bf16" in ms},
         "weight_bytes_per_step": step_bytes,
         "weight_bytes_per_token": {kind: {f"batch_{b}": round(v / b) for b in (1, 8)}
                                    for kind, v in step_bytes.items()},
-        "int4_linears": sum(isinstance(m, Int4Linear) for m in built["int4"].model.modules()),
-        "kept_lm_head_ms": kept_head_ms(built["int4"].model.lm_head,
-                                        built["fp32"].model.lm_head.weight.detach(), repeats),
-        "scale_rounding": scale_rounding(shipped),
+        "weight_only_linears": {
+            kind: {cls.kernel: sum(isinstance(m, cls) for m in runner.model.modules())
+                   for cls in (Int4Linear, Int8WeightOnlyLinear)}
+            for kind, runner in built.items()},
+        **weights,
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--contenders", nargs="+", choices=CONTENDERS, default=list(CONTENDERS))
     parser.add_argument("--models", nargs="+",
                         default=["qwen2.5-coder-1.5b-instruct", "smollm2-135m-instruct"])
     level = kernels.cpu_isa().split()[0].lower()  # the file names the machine's ISA level
@@ -172,9 +216,9 @@ def main() -> None:
                         f"{datetime.date.today().isoformat()}.json")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    result = {"repeats": args.repeats, "models": {}}
+    result = {"repeats": args.repeats, "contenders": args.contenders, "models": {}}
     for name in args.models:
-        result["models"][name] = measure(name, args.repeats)
+        result["models"][name] = measure(name, args.repeats, args.contenders)
     text = json.dumps({"machine": machine(), **result}, indent=2)
     print(text)
     args.out.write_text(text + "\n")

@@ -89,26 +89,34 @@ def our_contender(engine: Engine, params: SamplingParams) -> Contender:
     return run
 
 
-def our_engines(threads: int, batch_sizes: list[int]) -> dict[str, Engine]:
-    """Packed bf16 plain and with the 0.5B int8 draft (K auto), as qwen_pair.py builds them
-    over one copy of the weights; and the int4 target (quantize: int4) plain and with the same
-    draft, over one load of its own."""
+OUR_TARGETS = ("bf16", "int4", "int4+int8")
+
+
+def our_engines(threads: int, batch_sizes: list[int], targets: list[str]) -> dict[str, Engine]:
+    """Per target, plain and with the 0.5B int8 draft (K auto) over one load of its weights:
+    packed bf16 as qwen_pair.py builds it; quantize: int4 and int4+int8 (the GGUF's 4-bit
+    blocks, its other linears bf16 or int8 per channel)."""
     grid = GRID.model_copy(update={"batch_sizes": batch_sizes})
-    int4_spec = TARGET.model_copy(update={"dtype": "bfloat16", "quantize": "int4"})
     draft = DraftSpec(kind="model", model=DRAFT.model_copy(update={"dtype": "bfloat16"}),
                       dtype="int8")
-    with_draft = EngineConfig(target=int4_spec, draft=draft, device="cpu", cpu_threads=threads,
-                              bucket_grid=grid)
-    target, device, proposer, loaded_draft = assemble(with_draft)  # first: 6 GB of fp32 pass
-    int4 = {"ours_int4_plain": Engine(with_draft.model_copy(update={"draft": None}), target,
-                                      device),
-            "ours_int4_draft_0.5b_int8_auto": Engine(with_draft, target, device, proposer,
-                                                     loaded_draft)}
-    for engine in int4.values():
-        engine.warmup()
-    built = build_engines("bfloat16", threads, ["plain", "draft_0.5b_int8_auto"], grid)
-    return {"ours_bf16_plain": built["plain"], "ours_bf16_draft_0.5b_int8_auto":
-            built["draft_0.5b_int8_auto"], **int4}
+    engines = {}
+    for quantize in [t for t in targets if t != "bf16"]:  # first: 6 GB of fp32 pass
+        spec = TARGET.model_copy(update={"dtype": "bfloat16", "quantize": quantize})
+        with_draft = EngineConfig(target=spec, draft=draft, device="cpu", cpu_threads=threads,
+                                  bucket_grid=grid)
+        target, device, proposer, loaded_draft = assemble(with_draft)
+        pair = {f"ours_{quantize}_plain": Engine(with_draft.model_copy(update={"draft": None}),
+                                                 target, device),
+                f"ours_{quantize}_draft_0.5b_int8_auto": Engine(with_draft, target, device,
+                                                                proposer, loaded_draft)}
+        for engine in pair.values():
+            engine.warmup()
+        engines |= pair
+    if "bf16" in targets:
+        built = build_engines("bfloat16", threads, ["plain", "draft_0.5b_int8_auto"], grid)
+        engines |= {"ours_bf16_plain": built["plain"], "ours_bf16_draft_0.5b_int8_auto":
+                    built["draft_0.5b_int8_auto"]}
+    return engines
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------
@@ -353,6 +361,9 @@ def main() -> None:
                              "all 8)")
     parser.add_argument("--quick", action="store_true", help="2 prompts per set, 16 tokens")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--targets", nargs="+", choices=OUR_TARGETS, default=list(OUR_TARGETS),
+                        help="our targets (each plain and with the draft); with an AVX2 CPU's "
+                             "code bf16 weights are held in fp32: two fit in 23 GB")
     parser.add_argument("--vllm-dtype", choices=["bfloat16", "float32"], default="bfloat16",
                         help="bf16 needs AVX512-BF16 (NOTES.md ran fp32 on an AVX2 CPU); fp32 "
                              "holds 6 GB more")
@@ -366,8 +377,8 @@ def main() -> None:
     started = time.perf_counter()
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
-    engines = our_engines(args.threads, [1, OUR_BEST_BATCH])
-    tokenizer = engines["ours_bf16_plain"].tokenizer
+    engines = our_engines(args.threads, [1, OUR_BEST_BATCH], args.targets)
+    tokenizer = next(iter(engines.values())).tokenizer
     in_one_call = args.prompts if args.quick else OUR_BEST_BATCH
     sets = {name: [Prompt(m, *chat_text_and_ids(tokenizer, m)) for m in prompts[:in_one_call]]
             for name, prompts in PROMPT_SETS.items()}
@@ -420,10 +431,9 @@ def main() -> None:
         "llama_draft_max": LLAMA_DRAFT_MAX,
         "tokens_per_second": tps,
         "ratios": ratios,
-        "same_tokens_as_ours_bf16_plain": {
-            key: same for key in tps
-            if (same := same_tokens_as(timings, key, key.rsplit("/", 1)[0] + "/ours_bf16_plain"))
-            is not None and not key.endswith("/ours_bf16_plain")
+        "same_tokens_as_its_targets_plain": {
+            key: same for key in tps if "_draft_" in key and (same := same_tokens_as(
+                timings, key, key.split("_draft_")[0] + "_plain")) is not None
         },
         "llama_details": {key: value for key, value in timings.details.items() if value},
         "our_steps": timings.steps,

@@ -10,10 +10,11 @@ their RMS, about what rounding them to bf16 does (0.13-0.17 %): `bench/int4.py`,
 `scale_rounding`.
 
 Q5_0, Q6_K, Q8_0 and float tensors are not 4-bit groups; their linears stay bf16 (in int4.py
-the ones not found here). bf16 keeps those weights to 3 significant digits, where torch's int8
-weight-only kernel (aten._weight_int8pack_mm, per channel) would re-round 6-bit blocks; on the
-AVX-512 Xeon (1 thread) it ran Qwen 1.5B's Q6_K LM head faster than oneDNN's packed bf16 at
-1 row (54.5 vs 71.5 ms) but slower at 8 (125.6 vs 66.0): bench/int4.py, `kept_lm_head_ms`.
+the ones not found here), or with quantize: int4+int8 are rounded to int8 per channel. bf16
+keeps those weights to 3 significant digits, where torch's int8 weight-only kernel
+(aten._weight_int8pack_mm, per channel) re-rounds 6-bit blocks; on the AVX-512 Xeon (1
+thread) it ran Qwen 1.5B's Q6_K LM head faster than oneDNN's packed bf16 at 1 row (54.5 vs
+71.5 ms) but slower at 8 (125.6 vs 66.0): bench/int4.py, `kept_lm_head_ms`.
 
 The cache (CACHE_FILE under the GGUF's digest directory, in a folder of its own so that
 nothing globbing the directory's `*.safetensors` takes it for fp32 weights) holds codes two

@@ -21,11 +21,19 @@ gate/up): 2.9 ms at 1 row against 6.5 ms for packed bf16, even at 4-8 rows, 44 v
 and 130 vs 17 ms at 128. So a prefill runs a bf16 copy of the weights (2 bytes a weight of
 memory beside the 4-bit ones, never read while decoding), and a draft, whose rows need not be
 exact, runs the copy above DRAFT_KERNEL_ROWS rows as well.
+
+quantize: int4+int8 runs the linears a GGUF does not ship in 4-bit groups (Q5_0, Q6_K, Q8_0)
+as int8 per output channel through torch's int8 weight-only kernel (`_weight_int8pack_mm`),
+which also sums each row alone: where bf16 computes in fp32 (no AVX-512 BF16) they would
+otherwise be held, and read, as fp32. With AVX2 code (1 thread, Qwen 1.5B's LM head) it took
+51 ms at 1 row and 69 at 4, where oneDNN's packed fp32 took 77 and 109; from 8 rows on fp32
+catches up (162 vs 147 ms), so batch-8 verifies cost more.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -84,6 +92,10 @@ class Int4Weights:
         """The codes, one per weight: uint8 [out, in]."""
         return torch.stack([self.codes & 15, self.codes >> 4], dim=-1).flatten(1)
 
+    def multiplied(self, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] in `dtype`: the values the kernel multiplies (its scales bf16)."""
+        return self.dequantized(torch.bfloat16, dtype)
+
     def dequantized(
         self, scale_dtype: torch.dtype = torch.float32, dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
@@ -109,36 +121,49 @@ class Int4Weights:
                              for f in ("codes", "scales", "zeros")))
 
 
-class Int4Linear(nn.Module):
-    """A linear whose decode steps run 4-bit weights through torch's int4 CPU kernel.
+@dataclass(frozen=True)
+class Int8Weights:
+    """A [out, in] weight as int8 codes with one scale per output channel: what torch's int8
+    weight-only kernel multiplies (w = q * scale, bf16 activations)."""
 
-    `dense` holds the same 4-bit weights dequantized to bf16 (the runner packs it like any
-    bf16 linear): it runs prefills, and calls wider than `kernel_rows` where that is set
-    (drafts). The packed tensors are plain attributes, so a dtype cast leaves them alone.
+    codes: torch.Tensor  # int8 [out, in]
+    scales: torch.Tensor  # float32 [out], each bf16-representable (the kernel takes bf16)
+
+    @classmethod
+    def from_float(cls, weight: torch.Tensor) -> Int8Weights:
+        """Each output channel's largest weight at 127 steps. The scale is rounded to bf16
+        first and the codes against it, so the kernel's bf16 scales add no error."""
+        weight = weight.detach().float()
+        scales = (weight.abs().amax(1) / 127).clamp_min(1e-12).bfloat16().float()
+        codes = (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
+        return cls(codes, scales)
+
+    def multiplied(self, dtype: torch.dtype) -> torch.Tensor:
+        """[out, in] in `dtype`: the values the kernel multiplies (exact in fp32)."""
+        return self.codes.to(dtype) * self.scales.to(dtype)[:, None]
+
+
+class WeightOnlyLinear(nn.Module):
+    """A linear whose decode steps run compact weights through one of torch's weight-only
+    CPU kernels, each row summed alone (what a target's exactness rests on).
+
+    `dense` holds the same weights dequantized to bf16 (the runner packs it like any bf16
+    linear): it runs prefills, and calls wider than `kernel_rows` where that is set (drafts).
+    The kernel's tensors are plain attributes, so a dtype cast leaves them alone.
     """
 
-    kernel = kernels.INT4PACK_MM
+    kernel: str
+    probe: Callable[[], kernels.Probe]
 
-    def __init__(self, linear: nn.Linear, weights: Int4Weights, kernel_rows: int | None):
+    def __init__(self, linear: nn.Linear, dense: torch.Tensor, kernel_rows: int | None):
         super().__init__()
-        if weights.group_size not in GROUP_SIZES or linear.out_features % 16:
-            raise ValueError(
-                f"the int4 kernel takes groups of {GROUP_SIZES} and outputs in multiples of 16, "
-                f"not groups of {weights.group_size} and {linear.out_features} outputs"
-            )
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.group_size, self.kernel_rows = weights.group_size, kernel_rows
+        self.kernel_rows = kernel_rows
         self.dense = nn.Linear(self.in_features, self.out_features, bias=linear.bias is not None,
                                device="meta")
-        self.dense.weight = nn.Parameter(weights.dequantized(torch.bfloat16, torch.bfloat16),
-                                         requires_grad=False)
+        self.dense.weight = nn.Parameter(dense, requires_grad=False)
         if linear.bias is not None:
             self.dense.bias = nn.Parameter(linear.bias.detach().bfloat16(), requires_grad=False)
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            weights.unpacked().int(), 1  # innerKTiles: read by the CUDA layout only
-        )
-        self.scales_and_zeros = torch.stack([weights.scales, weights.zeros], dim=-1) \
-            .transpose(0, 1).contiguous().bfloat16()  # [in / group, out, 2]
         self.bias = None if linear.bias is None else linear.bias.detach().bfloat16()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,24 +171,62 @@ class Int4Linear(nn.Module):
         wide = self.kernel_rows is not None and rows.shape[0] > self.kernel_rows
         if in_prefill() or wide:
             return self.dense(x)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            rows.bfloat16().contiguous(), self.packed, self.group_size, self.scales_and_zeros
-        )
+        out = self._product(rows.bfloat16().contiguous())
         if self.bias is not None:
             out = out + self.bias
         return out.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"int4 groups of {self.group_size}")
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.kernel}"
+
+
+class Int4Linear(WeightOnlyLinear):
+    """4-bit groups through `_weight_int4pack_mm_for_cpu`."""
+
+    kernel, probe = kernels.INT4PACK_MM, staticmethod(kernels.int4pack_mm)
+
+    def __init__(self, linear: nn.Linear, weights: Int4Weights, kernel_rows: int | None):
+        if weights.group_size not in GROUP_SIZES or linear.out_features % 16:
+            raise ValueError(
+                f"the int4 kernel takes groups of {GROUP_SIZES} and outputs in multiples of 16, "
+                f"not groups of {weights.group_size} and {linear.out_features} outputs"
+            )
+        super().__init__(linear, weights.multiplied(torch.bfloat16), kernel_rows)
+        self.group_size = weights.group_size
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            weights.unpacked().int(), 1  # innerKTiles: read by the CUDA layout only
+        )
+        self.scales_and_zeros = torch.stack([weights.scales, weights.zeros], dim=-1) \
+            .transpose(0, 1).contiguous().bfloat16()  # [in / group, out, 2]
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            rows, self.packed, self.group_size, self.scales_and_zeros
+        )
+
+
+class Int8WeightOnlyLinear(WeightOnlyLinear):
+    """int8 weights, a scale per output channel, through `_weight_int8pack_mm`."""
+
+    kernel, probe = kernels.INT8PACK_MM, staticmethod(kernels.int8pack_mm)
+
+    def __init__(self, linear: nn.Linear, weights: Int8Weights, kernel_rows: int | None):
+        super().__init__(linear, weights.multiplied(torch.bfloat16), kernel_rows)
+        self.codes, self.scales = weights.codes, weights.scales.bfloat16()
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int8pack_mm(rows, self.codes, self.scales)
 
 
 def linear_names(model: CausalLM) -> list[str]:
     """Our decoder's float linears by module name (fused projections included; not the bf16
-    copies inside 4-bit linears)."""
+    copies inside weight-only linears)."""
     modules = dict(model.named_modules())
     return [name for name, module in modules.items() if type(module) is nn.Linear
-            and not isinstance(modules[name.rpartition(".")[0]], Int4Linear)]
+            and not isinstance(modules[name.rpartition(".")[0]], WeightOnlyLinear)]
 
 
 def hf_parts(name: str, tied: bool) -> list[str]:
@@ -198,31 +261,40 @@ def int4_weights_of(
         total = sum(modules[n].weight.numel() for n in linear_names(model))
         log.log(logging.INFO if found else logging.WARNING,
                 "int4: %d of %d linears from the GGUF's 4-bit blocks; %.0f%% of linear "
-                "weights kept in bf16 (not 4-bit in the GGUF)", len(found),
+                "weights not 4-bit there (bf16, or int8 per channel with int4+int8)", len(found),
                 len(linear_names(model)), 100 * kept / total)
     return found
 
 
-def int4_linears(
-    model: CausalLM, weights: dict[str, Int4Weights], device: torch.device,
+def int8_weights_of(model: CausalLM, int4: dict[str, Int4Weights]) -> dict[str, Int8Weights]:
+    """The float linears `int4` leaves (a GGUF's Q5_0, Q6_K and Q8_0 tensors) rounded to int8
+    per output channel, by module name."""
+    modules = dict(model.named_modules())
+    return {name: Int8Weights.from_float(modules[name].weight)
+            for name in linear_names(model) if name not in int4}
+
+
+def weight_only_linears(
+    model: CausalLM, weights: dict[str, Int4Weights | Int8Weights], device: torch.device,
     kernel_rows: int | None = None,
 ) -> CausalLM:
-    """Swap the named linears for 4-bit ones, in place, after the model's dtype cast (a
-    tied embedding keeps its float weights: the LM head module is replaced, not its weight).
+    """Swap the named linears for weight-only ones (4-bit or int8 by their weights), in place,
+    after the model's dtype cast (a tied embedding keeps its float weights: the LM head module
+    is replaced, not its weight).
 
-    Where the kernel cannot run (its probe failed, or not a CPU) a linear computes the very
-    values the kernel would multiply (bf16 scales) in fp32: the 4-bit model's tokens at fp32
-    speed and memory, as bf16 weights fall back on a CPU without oneDNN's bf16."""
-    use_kernel = device.type == "cpu" and kernels.int4pack_mm().available
-    for name, int4 in weights.items():
+    Where a kernel cannot run (its probe failed, or not a CPU) a linear computes the very
+    values the kernel would multiply in fp32: the quantized model's tokens at fp32 speed and
+    memory, as bf16 weights fall back on a CPU without oneDNN's bf16."""
+    for name, compact in weights.items():
         parent, _, child = name.rpartition(".")
         owner = model.get_submodule(parent) if parent else model
         linear = getattr(owner, child)
-        if use_kernel:
-            swapped: nn.Module = Int4Linear(linear, int4, kernel_rows)
+        kind = Int4Linear if isinstance(compact, Int4Weights) else Int8WeightOnlyLinear
+        if device.type == "cpu" and kind.probe().available:
+            swapped: nn.Module = kind(linear, compact, kernel_rows)
         else:
             swapped = Fp32ComputeLinear(linear)  # its bias, in fp32
-            swapped.weight = nn.Parameter(int4.dequantized(torch.bfloat16).to(device),
+            swapped.weight = nn.Parameter(compact.multiplied(torch.float32).to(device),
                                           requires_grad=False)
         setattr(owner, child, swapped)
     return model
@@ -232,4 +304,4 @@ def int4_draft(model: CausalLM, device: torch.device) -> CausalLM:
     """A draft, in place: its float linears rounded to 4 bits (groups of 32), bf16 elsewhere;
     calls wider than DRAFT_KERNEL_ROWS run the bf16 copies."""
     weights = int4_weights_of(model, None)
-    return int4_linears(model.to_dtype(torch.bfloat16), weights, device, DRAFT_KERNEL_ROWS)
+    return weight_only_linears(model.to_dtype(torch.bfloat16), weights, device, DRAFT_KERNEL_ROWS)

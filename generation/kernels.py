@@ -35,8 +35,10 @@ ONEDNN_PACKED_BF16 = "onednn-packed-bf16"  # private op, prepacked once: measure
 FBGEMM_INT8 = "fbgemm-int8"  # dynamic W8A8 linears of int8 drafts
 INT_MM = "int-mm"  # exact int8 x int8 -> int32 GEMM of int8 targets
 INT4PACK_MM = "int4pack-mm"  # 4-bit group-wise weights x bf16 rows, each row alone
+INT8PACK_MM = "int8pack-mm"  # int8 per-channel weights x bf16 rows, each row alone
 ONEDNN_PACKED_FP32 = "onednn-packed-fp32"  # a target's fp32 linears: one rounding from 2 rows on
-FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, INT_MM, INT4PACK_MM, ONEDNN_PACKED_FP32)
+FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, INT_MM, INT4PACK_MM, INT8PACK_MM,
+              ONEDNN_PACKED_FP32)
 
 
 class KernelUnavailable(RuntimeError):
@@ -196,6 +198,26 @@ def int4pack_mm() -> Probe:
         return close and torch.equal(alone, out[4:])
 
     return _reported(INT4PACK_MM, _tried(INT4PACK_MM, attempt))
+
+
+@_probe
+def int8pack_mm() -> Probe:
+    """torch's int8 weight-only CPU kernel (aten._weight_int8pack_mm: int8 weights with a
+    scale per output channel, bf16 rows): its result matches the dequantized weights', and a
+    row computed alone equals the same row among others (as for int4pack_mm)."""
+
+    def attempt() -> bool:
+        generator = torch.Generator().manual_seed(0)
+        codes = torch.randint(-127, 128, (16, 64), generator=generator, dtype=torch.int8)
+        scales = (torch.rand(16, generator=generator) / 100 + 1e-3).bfloat16()
+        x = torch.randn(5, 64, generator=generator).bfloat16()
+        out = torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+        alone = torch.ops.aten._weight_int8pack_mm(x[4:], codes, scales)
+        reference = x.float() @ (codes.float() * scales.float()[:, None]).t()
+        close = torch.allclose(out.float(), reference, atol=0.02 * float(reference.abs().max()))
+        return close and torch.equal(alone, out[4:])
+
+    return _reported(INT8PACK_MM, _tried(INT8PACK_MM, attempt))
 
 
 def rows_as_alone(

@@ -22,7 +22,7 @@ import torch
 
 from generation import gguf_int4
 from generation.device import resolve_device
-from generation.int4 import int4_draft, int4_linears, int4_weights_of
+from generation.int4 import int4_draft, int4_weights_of, int8_weights_of, weight_only_linears
 from generation.model import CausalLM, DecoderConfig
 from generation.proposers import ModelProposer, NoProposer, PromptLookupProposer
 from generation.quantize import ExactInt8Linear, int8_weights, quantized_copy
@@ -322,14 +322,17 @@ def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> Loa
     model = CausalLM(DecoderConfig.from_hf(config), max_positions)
     state = load_state_dict(directory)
     model.load_hf_weights(state)
-    int4 = (int4_weights_of(model, shipped_int4(spec, directory, state))  # before the cast
-            if spec.quantize == "int4" else None)
+    compact: dict = {}  # rounded from the fp32 weights, before the cast
+    if spec.quantize in ("int4", "int4+int8"):
+        compact = int4_weights_of(model, shipped_int4(spec, directory, state))
+        if spec.quantize == "int4+int8":
+            compact |= int8_weights_of(model, compact)
     del state  # the fp32 checkpoint (6 GB for Qwen 1.5B): freed before the cast copies it
     model = model.to_dtype(DTYPES[spec.dtype]).to(device).eval()
     if spec.quantize == "int8":
         model = int8_weights(model, ExactInt8Linear)
-    elif int4 is not None:
-        model = int4_linears(model, int4, device)
+    elif compact:
+        model = weight_only_linears(model, compact, device)
     tokenizer = load_tokenizer(directory)
     eos = eos_token_ids(directory, config) | {tokenizer.eos_token_id} - {None}
     return LoadedModel(model, tokenizer, directory, weights_sha256(directory), frozenset(eos))

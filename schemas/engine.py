@@ -41,13 +41,16 @@ class ModelSpec(StrictModel):
         f"({', '.join(PACKAGED_MODELS)})"
     )
     dtype: DType = Field("float32", description="weights and activations")
-    quantize: Literal["int8", "int4"] | None = Field(
+    quantize: Literal["int8", "int4", "int4+int8"] | None = Field(
         None,
         description="int8: linears as int8 weights x per-row int8 activations, an exact integer "
         "GEMM, so results stay batch-invariant (fit for a target); dtype is the rest's. int4: "
         "4-bit weights (groups of 32) with bf16 activations (needs dtype bfloat16), each row "
         "computed alone, batch-invariant too; a GGUF keeps its own 4-bit blocks (Q4_0, Q4_1, "
-        "Q4_K) and its other linears in bf16, a float checkpoint is rounded to 4 bits",
+        "Q4_K) and its other linears in bf16, a float checkpoint is rounded to 4 bits. "
+        "int4+int8: int4, with a GGUF's other linears (Q5_0, Q6_K, Q8_0) re-rounded to int8 "
+        "per output channel (~1-2 % of their RMS) for torch's int8 weight-only kernel: a "
+        "quarter of the bytes they read where bf16 computes in fp32 (CPUs without AVX-512 BF16)",
     )
 
     @property
@@ -57,9 +60,9 @@ class ModelSpec(StrictModel):
 
     @model_validator(mode="after")
     def _int4_computes_in_bf16(self) -> ModelSpec:
-        if self.quantize == "int4" and self.dtype != "bfloat16":
+        if self.quantize in ("int4", "int4+int8") and self.dtype != "bfloat16":
             raise ValueError(
-                f"quantize: int4 multiplies bf16 activations (torch's int4 CPU kernel), not "
+                f"quantize: {self.quantize} multiplies bf16 activations (torch's CPU kernels), not "
                 f"{self.dtype}; set dtype: bfloat16 beside it"
             )
         return self

@@ -52,6 +52,7 @@ def main(model_dir: str, greedy_only: bool = False) -> dict:
             (kernels.FBGEMM_INT8, kernels.fbgemm_int8),
             (kernels.INT_MM, kernels.int_mm),
             (kernels.INT4PACK_MM, kernels.int4pack_mm),
+            (kernels.INT8PACK_MM, kernels.int8pack_mm),
             (kernels.ONEDNN_PACKED_FP32, kernels.packed_fp32),
         )},
         "kernels": {"plain": plain.hardware_info["cpu_kernels"]},

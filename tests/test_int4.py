@@ -2,11 +2,13 @@
 dequantized weights give, each row alone, so an int4 target keeps the engine's promises
 (speculation = plain decoding, seeded records the same whatever the draft, K or batch); a
 GGUF's 4-bit blocks become int4 groups unchanged; without the kernel the same weights run
-in fp32."""
+in fp32. quantize: int4+int8 runs a GGUF's other linears through torch's int8 weight-only
+kernel, which keeps the same promises."""
 
 from __future__ import annotations
 
 import logging
+import re
 
 import numpy as np
 import pytest
@@ -17,7 +19,14 @@ from test_seeded_sampling import SAMPLING, alone, shuffled
 
 from generation import gguf_int4, kernels
 from generation.draft_length import FixedDraftLength
-from generation.int4 import DRAFT_KERNEL_ROWS, GROUP_SIZES, Int4Linear, Int4Weights
+from generation.int4 import (
+    DRAFT_KERNEL_ROWS,
+    GROUP_SIZES,
+    Int4Linear,
+    Int4Weights,
+    Int8WeightOnlyLinear,
+    Int8Weights,
+)
 from generation.loading import load_model, load_state_dict, resolve_model_dir
 from generation.packing import RowExactLinear, row_exact_kernel
 from schemas import DraftSpec, EngineConfig, ModelSpec, SamplingParams
@@ -53,14 +62,40 @@ def test_an_int4_linear_computes_the_dequantized_weights_product(group_size):
         torch.testing.assert_close(int4(x).float(), reference, rtol=2**-7, atol=1e-3)
 
 
-def test_an_int4_row_is_bitwise_the_same_alone_or_among_any_number_of_rows():
-    linear, weights = rounded_linear(32, bias=False)
-    int4 = Int4Linear(linear.to(torch.bfloat16), weights, kernel_rows=None)
+needs_int8pack = pytest.mark.skipif(
+    not kernels.int8pack_mm().available,
+    reason=f"needs torch's int8 weight-only CPU kernel: {kernels.int8pack_mm().reason}",
+)
+
+
+@needs_int8pack
+def test_an_int8_weight_only_linear_computes_its_rounded_weights_product():
+    """Codes within half a step of the float weights (the bf16 scale rounded first), and the
+    kernel's product within two bf16 roundings of the fp32 one."""
+    linear, _ = rounded_linear(32)
+    int8 = Int8Weights.from_float(linear.weight)
+    exact = int8.multiplied(torch.float32)
+    assert torch.equal(int8.scales.bfloat16().float(), int8.scales)
+    assert float(((exact - linear.weight.detach()).abs() / int8.scales[:, None]).max()) <= 0.5
+    module = Int8WeightOnlyLinear(linear.to(torch.bfloat16), int8, kernel_rows=None)
+    for rows in (1, 3, 8, 40):
+        x = torch.randn(2, rows, 512).bfloat16()
+        reference = F.linear(x.float(), exact, linear.bias.detach().bfloat16().float())
+        torch.testing.assert_close(module(x).float(), reference, rtol=2**-7, atol=1e-3)
+
+
+@needs_int8pack
+@pytest.mark.parametrize("kind", ["int4", "int8"])
+def test_a_weight_only_row_is_bitwise_the_same_alone_or_among_any_number_of_rows(kind):
+    linear, int4 = rounded_linear(32, bias=False)
+    module = (Int4Linear(linear.to(torch.bfloat16), int4, kernel_rows=None) if kind == "int4"
+              else Int8WeightOnlyLinear(linear.to(torch.bfloat16),
+                                        Int8Weights.from_float(linear.weight), kernel_rows=None))
     x = torch.randn(72, 512).bfloat16()
-    together = int4(x)
+    together = module(x)
     for rows in (1, 2, 3, 4, 5, 8, 9, 17, 40, 72):
-        assert torch.equal(int4(x[:rows]), together[:rows]), rows
-    assert all(torch.equal(int4(x[i : i + 1]), together[i : i + 1]) for i in (0, 5, 38, 71))
+        assert torch.equal(module(x[:rows]), together[:rows]), rows
+    assert all(torch.equal(module(x[i : i + 1]), together[i : i + 1]) for i in (0, 5, 38, 71))
 
 
 def test_a_draft_runs_its_wide_calls_on_the_bf16_copy():
@@ -211,9 +246,55 @@ def test_without_the_int4_kernel_the_same_weights_run_in_fp32(tiny_llama_dir, ca
 
 
 def test_int4_needs_bf16_activations_and_a_quantized_target_no_quantized_copy():
-    with pytest.raises(ValueError, match="set dtype: bfloat16 beside it"):
-        ModelSpec(path="m", quantize="int4")
+    for quantize in ("int4", "int4+int8"):
+        with pytest.raises(ValueError, match=re.escape(f"quantize: {quantize} multiplies bf16")):
+            ModelSpec(path="m", quantize=quantize)
     int4 = ModelSpec(path="m", dtype="bfloat16", quantize="int4")
     assert int4.name == "m#int4"
+    assert ModelSpec(path="m", dtype="bfloat16", quantize="int4+int8").name == "m#int4+int8"
     with pytest.raises(ValueError, match=r"the target is already int4; use draft\.kind: model"):
         EngineConfig(target=int4, draft=DraftSpec(kind="quantized", dtype="int8"))
+
+
+@pytest.mark.slow
+@needs_int8pack
+def test_int4_int8_runs_smollm2s_q8_0_head_int8_and_keeps_the_engines_promises(smollm2_spec):
+    """quantize: int4+int8 on SmolLM2's GGUF: its Q4_1 projections int4, its Q8_0 head int8
+    per channel. Logits against the same weights multiplied in fp32 (the fallback's), within
+    1.5 % of the largest (bf16 activations through 30 layers); seeded records the same alone,
+    in a batch, and under a model draft at fixed and auto K."""
+    spec = smollm2_spec.model_copy(update={"dtype": "bfloat16", "quantize": "int4+int8"})
+    plain = engine_for(spec.path, target=spec)
+    model = plain.target.model
+    assert type(model.lm_head) is Int8WeightOnlyLinear
+    assert {type(m) for n, m in model.named_modules() if n.endswith("_proj")} == {Int4Linear}
+    assert plain.model_info["target_model"] == f"{spec.path}#int4+int8"
+    assert kernels.INT8PACK_MM in plain.hardware_info["cpu_kernels"]
+
+    with kernels.disabled(kernels.INT8PACK_MM):
+        reference = engine_for(spec.path, target=spec)
+    assert kernels.INT8PACK_MM not in reference.hardware_info["cpu_kernels"]
+    prompts = [plain.encode(text) for text in varied_prompts(3)]
+    logits = {}
+    for name, engine in (("kernel", plain), ("reference", reference)):
+        prefill = engine.target.prefill(prompts, [0, 1, 2])
+        lengths = torch.tensor([len(p) for p in prompts])
+        step = engine.target.decode(prefill.argmax(-1)[:, None], lengths, 3)
+        logits[name] = prefill, step
+    for got, expected in zip(logits["kernel"], logits["reference"], strict=True):
+        scale = float(expected.abs().max())
+        assert float((got - expected).abs().max()) < 0.015 * scale  # measured 0.3-0.5 %
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+
+    params = SAMPLING["top-k-top-p"]
+    one_row = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
+    expected = alone(engine_for(spec.path, target=spec, bucket_grid=one_row), params)
+    assert shuffled(plain, params, order_seed=3) == expected
+    draft = DraftSpec(kind="model", model=smollm2_spec.model_copy(update={"dtype": "bfloat16"}),
+                      dtype="int8")
+    speculative = engine_for(spec.path, target=spec, draft=draft, num_draft_tokens="auto")
+    auto = speculative.draft_length
+    for order_seed, k in enumerate([2, None]):
+        speculative.draft_length = auto if k is None else FixedDraftLength(k)
+        assert shuffled(speculative, params, order_seed) == expected, k
+    assert speculative.stats.rounds > 0

@@ -166,6 +166,7 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
     assert result["probes"][kernels.ONEDNN_PACKED_FP32] == "probe passed"  # its AVX2 path
     assert result["kernels"]["quantized-int8"] == "target=onednn-packed-fp32 draft=fbgemm-int8"
     assert result["probes"][kernels.INT4PACK_MM] == "probe passed"  # its AVX2 path
+    assert result["probes"][kernels.INT8PACK_MM] == "probe passed"  # its AVX2 path
     assert result["kernels"]["int4-target"] == "target=int4pack-mm+onednn-packed-fp32"
     assert all(result["identical"].values()), result["identical"]
     assert "kernel onednn-packed-bf16 unavailable, using the fallback" in log
