@@ -126,9 +126,10 @@ def int8_rounding(int8: dict[str, Int8Weights], model: nn.Module) -> dict[str, f
 
 
 def runners(name: str, contenders: list[str]) -> tuple[dict[str, ModelRunner], dict]:
-    """The contenders' runners of one packaged model, each on its own copy; the int4 ones built
-    as load_model builds them, from the shipped 4-bit tensors (cached once); and what was
-    measured of the weights themselves."""
+    """The contenders' runners of one packaged model; the int4 ones built as load_model builds
+    them, from the shipped 4-bit tensors (cached once), int4+int8 sharing int4's 4-bit linears
+    where both run (with an AVX2 CPU's code each holds a 6 GB fp32 copy for prefills); and
+    what was measured of the weights themselves."""
     cpu = torch.device("cpu")
     spec = ModelSpec(path=f"packaged:{name}")
     fp32 = load_model(spec, GRID.max_cache, cpu).model
@@ -137,17 +138,23 @@ def runners(name: str, contenders: list[str]) -> tuple[dict[str, ModelRunner], d
     shipped = shipped_int4(spec, directory, {} if cached else load_state_dict(directory))
     int4 = int4_weights_of(fp32, shipped)
     int8 = int8_weights_of(fp32, int4)
-    compact = {"bf16": {}, "int4": int4, "int4+int8": int4 | int8}
-    built = {}
-    for kind in contenders:
-        if kind == "fp32":
-            built[kind] = ModelRunner(copy.deepcopy(fp32), GRID, cpu, torch.float32)
-            continue
-        model = weight_only_linears(copy.deepcopy(fp32).to_dtype(torch.bfloat16), compact[kind],
-                                    cpu)
-        built[kind] = ModelRunner(model, GRID, cpu, torch.bfloat16)
     weights = {"scale_rounding": scale_rounding(shipped),
                "int8_rounding": int8_rounding(int8, fp32)}
+    models: dict[str, nn.Module] = {}
+    if "fp32" in contenders:
+        models["fp32"] = copy.deepcopy(fp32)
+    bf16 = fp32.to_dtype(torch.bfloat16)  # in place: the fp32 weights go
+    if "bf16" in contenders:
+        models["bf16"] = copy.deepcopy(bf16)
+    if "int4" in contenders or "int4+int8" in contenders:
+        models["int4"] = weight_only_linears(bf16, int4, cpu)
+    if "int4+int8" in contenders:
+        shared = {id(m): m for m in models["int4"].modules() if isinstance(m, Int4Linear)}
+        models["int4+int8"] = weight_only_linears(copy.deepcopy(models["int4"], shared), int8,
+                                                  cpu)
+    built = {kind: ModelRunner(models[kind], GRID, cpu,
+                               torch.float32 if kind == "fp32" else torch.bfloat16)
+             for kind in contenders}
     if "int4" in built:
         weights["kept_lm_head_ms"] = kept_head_ms(built["int4"].model.lm_head, int8["lm_head"])
     return built, weights

@@ -199,6 +199,20 @@ def test_rounds_that_pay_are_never_vetoed():
     assert chooser.realized_speedup(1, 1.0) > 1.3
 
 
+def overrated_rounds(chooser: DraftLengthChooser, steps: int) -> list[int]:
+    """Steps at batch 1 where the model's alpha stays 0.92 (a K=4 round of 3.2 s expects 4.26
+    tokens) but rounds give 2.4 (0.75x a 1 s plain step). Returns the K chosen at each step."""
+    chosen = []
+    for _ in range(steps):
+        chooser.accepted, chooser.trials = 0.92e6, 1e6
+        k = chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG)
+        chosen.append(k)
+        chooser.observe_step(1, k, seconds=3.2 if k else 1.0, forward_seconds=3.2 if k else 1.0)
+        if k:
+            chooser.observe_round_payoff(1, 3.2, 2.4)
+    return chosen
+
+
 @pytest.mark.parametrize("stale_steps", [32, 10**6])
 def test_rounds_are_judged_against_a_plain_price_of_the_same_stretch(stale_steps):
     """Plain steps measured while the host was busy (1.5 s); then it is quiet: a plain step
@@ -209,14 +223,7 @@ def test_rounds_are_judged_against_a_plain_price_of_the_same_stretch(stale_steps
                                  stale_steps=stale_steps)
     for _ in range(4):
         chooser.observe_step(1, 0, seconds=1.5, forward_seconds=1.5)
-    chosen = []
-    for _ in range(80):
-        chooser.accepted, chooser.trials = 0.92e6, 1e6  # the model's alpha stays 0.92
-        k = chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG)
-        chosen.append(k)
-        chooser.observe_step(1, k, seconds=3.2 if k else 1.0, forward_seconds=3.2 if k else 1.0)
-        if k:
-            chooser.observe_round_payoff(1, 3.2, 2.4)
+    chosen = overrated_rounds(chooser, 80)
     if stale_steps == 10**6:
         assert chosen == [4] * 80
         return
@@ -245,14 +252,7 @@ def test_a_vetoed_draft_is_tried_at_the_loss_its_rounds_realized():
     free and come every explore interval (as on an AVX2 CPU's int4 target at batch 8)."""
     chooser = DraftLengthChooser([4], explore_every=6, max_explore_every=12)
     chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
-    chosen = []
-    for _ in range(200):
-        chooser.accepted, chooser.trials = 0.92e6, 1e6  # the model's alpha stays 0.92
-        k = chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG)
-        chosen.append(k)
-        chooser.observe_step(1, k, seconds=3.2 if k else 1.0, forward_seconds=3.2 if k else 1.0)
-        if k:
-            chooser.observe_round_payoff(1, 3.2, 2.4)
+    chosen = overrated_rounds(chooser, 200)
     rounds = [step for step, k in enumerate(chosen) if k]
     assert rounds[:4] == [0, 1, 2, 3]
     tries = rounds[4:]
