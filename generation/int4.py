@@ -43,6 +43,7 @@ from generation import kernels
 from generation.model import FUSED, CausalLM
 from generation.packing import Fp32ComputeLinear
 from generation.phase import in_prefill
+from generation.quantize import per_channel_int8
 
 log = logging.getLogger("corpusgen.int4")
 
@@ -133,10 +134,7 @@ class Int8Weights:
     def from_float(cls, weight: torch.Tensor) -> Int8Weights:
         """Each output channel's largest weight at 127 steps. The scale is rounded to bf16
         first and the codes against it, so the kernel's bf16 scales add no error."""
-        weight = weight.detach().float()
-        scales = (weight.abs().amax(1) / 127).clamp_min(1e-12).bfloat16().float()
-        codes = (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8)
-        return cls(codes, scales)
+        return cls(*per_channel_int8(weight.detach().float(), torch.bfloat16))
 
     def multiplied(self, dtype: torch.dtype) -> torch.Tensor:
         """[out, in] in `dtype`: the values the kernel multiplies (exact in fp32)."""

@@ -175,6 +175,20 @@ def int_mm() -> Probe:
     return _reported(INT_MM, _tried(INT_MM, attempt))
 
 
+def _close_and_row_exact(
+    product: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor,
+    generator: torch.Generator,
+) -> bool:
+    """A weight-only kernel's probe: `product` of 5 bf16 rows is close to their fp32 product
+    with `weight` ([in, out], the values it multiplies), and its last row computed alone is bit
+    for bit the same as among the others (what a target's exactness rests on)."""
+    x = torch.randn(5, weight.shape[0], generator=generator).bfloat16()
+    out = product(x)
+    reference = x.float() @ weight
+    close = torch.allclose(out.float(), reference, atol=0.02 * float(reference.abs().max()))
+    return close and torch.equal(product(x[4:]), out[4:])
+
+
 @_probe
 def int4pack_mm() -> Probe:
     """torch's int4 weight-only CPU kernel (aten._weight_int4pack_mm_for_cpu): its result
@@ -188,14 +202,11 @@ def int4pack_mm() -> Probe:
         zeros = torch.randn(2, 16, generator=generator) / 10
         scales_and_zeros = torch.stack([scales, zeros], dim=-1).bfloat16()
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1)
-        x = torch.randn(5, 64, generator=generator).bfloat16()
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros)
-        alone = torch.ops.aten._weight_int4pack_mm_for_cpu(x[4:], packed, 32, scales_and_zeros)
         per_input = scales_and_zeros.float().repeat_interleave(32, dim=0)  # [in, out, 2]
         weight = (codes.t() - 8) * per_input[..., 0] + per_input[..., 1]  # [in, out]
-        reference = x.float() @ weight
-        close = torch.allclose(out.float(), reference, atol=0.02 * float(reference.abs().max()))
-        return close and torch.equal(alone, out[4:])
+        return _close_and_row_exact(
+            lambda x: torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, 32, scales_and_zeros),
+            weight, generator)
 
     return _reported(INT4PACK_MM, _tried(INT4PACK_MM, attempt))
 
@@ -210,12 +221,9 @@ def int8pack_mm() -> Probe:
         generator = torch.Generator().manual_seed(0)
         codes = torch.randint(-127, 128, (16, 64), generator=generator, dtype=torch.int8)
         scales = (torch.rand(16, generator=generator) / 100 + 1e-3).bfloat16()
-        x = torch.randn(5, 64, generator=generator).bfloat16()
-        out = torch.ops.aten._weight_int8pack_mm(x, codes, scales)
-        alone = torch.ops.aten._weight_int8pack_mm(x[4:], codes, scales)
-        reference = x.float() @ (codes.float() * scales.float()[:, None]).t()
-        close = torch.allclose(out.float(), reference, atol=0.02 * float(reference.abs().max()))
-        return close and torch.equal(alone, out[4:])
+        weight = (codes.float() * scales.float()[:, None]).t()  # [in, out]
+        return _close_and_row_exact(
+            lambda x: torch.ops.aten._weight_int8pack_mm(x, codes, scales), weight, generator)
 
     return _reported(INT8PACK_MM, _tried(INT8PACK_MM, attempt))
 

@@ -323,7 +323,7 @@ def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> Loa
     state = load_state_dict(directory)
     model.load_hf_weights(state)
     compact: dict = {}  # rounded from the fp32 weights, before the cast
-    if spec.quantize in ("int4", "int4+int8"):
+    if spec.four_bit:
         compact = int4_weights_of(model, shipped_int4(spec, directory, state))
         if spec.quantize == "int4+int8":
             compact |= int8_weights_of(model, compact)

@@ -17,9 +17,13 @@ from generation.packing import with_rows_at_least
 from generation.phase import in_prefill
 
 
-def _per_channel_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: (int8 weights, fp32 scales)."""
-    scales = weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0
+def per_channel_int8(
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per output channel: (int8 weights, fp32 scales). Each scale is first
+    made representable in `scale_dtype` and the weights rounded against it, for a kernel that
+    multiplies scales of that dtype."""
+    scales = (weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0).to(scale_dtype).float()
     return (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8), scales
 
 
@@ -59,7 +63,7 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         weight = linear.weight.detach().float()
-        quantized, scales = _per_channel_int8(weight)
+        quantized, scales = per_channel_int8(weight)
         self.register_buffer("weight", quantized)
         self.register_buffer("scales", scales)
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone())
@@ -120,7 +124,7 @@ class ExactInt8Linear(nn.Module):
                 kernels.int_mm(), "an int8 target (quantize: int8)",
                 "load the target in bfloat16 or float32 (remove quantize)",
             )
-        quantized, scales = _per_channel_int8(linear.weight.detach().float())
+        quantized, scales = per_channel_int8(linear.weight.detach().float())
         self.register_buffer("weight_t", quantized.t())  # [in, out] view, as _int_mm wants
         self.register_buffer("scales", scales)
         bias = linear.bias

@@ -58,9 +58,14 @@ class ModelSpec(StrictModel):
         """The path, marked `#int8` / `#int4` when quantized: what metrics call this model."""
         return self.path + (f"#{self.quantize}" if self.quantize else "")
 
+    @property
+    def four_bit(self) -> bool:
+        """Whether linears run 4-bit groups (quantize: int4 or int4+int8)."""
+        return self.quantize in ("int4", "int4+int8")
+
     @model_validator(mode="after")
     def _int4_computes_in_bf16(self) -> ModelSpec:
-        if self.quantize in ("int4", "int4+int8") and self.dtype != "bfloat16":
+        if self.four_bit and self.dtype != "bfloat16":
             raise ValueError(
                 f"quantize: {self.quantize} multiplies bf16 activations (torch's CPU kernels), not "
                 f"{self.dtype}; set dtype: bfloat16 beside it"
