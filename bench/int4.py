@@ -3,7 +3,8 @@ step reads, int4 and int4+int8 against bf16 and fp32, on the Qwen 1.5B target an
 
 int4 is the model's GGUF 4-bit blocks run by torch's int4 kernel, its other linears bf16
 (packed by oneDNN where it runs, else computed in fp32); int4+int8 the same with those other
-linears int8 per channel (torch's int8 weight-only kernel); bf16 and fp32 are the GGUF's
+linears int8 per channel (torch's int8 weight-only kernel); int8 every linear int8 per channel
+times activations int8 per row (fbgemm, exact integer sums); bf16 and fp32 are the GGUF's
 dequantized weights. One process, one thread; the runners take turns shape by shape within
 each repetition, so drift hits all of them; medians. `--contenders` picks some (with an
 AVX2 CPU's code every bf16 weight is held in fp32, and four 1.5B runners need ~27 GB).
@@ -45,6 +46,12 @@ from generation.int4 import (
 )
 from generation.loading import load_model, load_state_dict, resolve_model_dir, shipped_int4
 from generation.packing import PackedLinear
+from generation.quantize import (
+    CALIBRATION_TEXT,
+    ExactInt8Linear,
+    int8_weights,
+    smoothing_factors,
+)
 from generation.runner import ModelRunner
 from schemas import BucketGrid, ModelSpec
 
@@ -67,6 +74,9 @@ def decode_weight_bytes(model: nn.Module) -> int:
             tensors = [module.packed, module.scales_and_zeros, module.bias]
         elif isinstance(module, Int8WeightOnlyLinear):
             tensors = [module.codes, module.scales, module.bias]
+        elif isinstance(module, ExactInt8Linear):  # its int8 codes, packed by fbgemm or not
+            total += module.in_features * module.out_features
+            tensors = [module.scales, module.bias]
         elif isinstance(module, PackedLinear):
             tensors = [module.packed, module.bias]
         else:
@@ -105,7 +115,7 @@ def scale_rounding(shipped: dict[str, Int4Weights]) -> dict[str, float]:
     }
 
 
-CONTENDERS = ("fp32", "bf16", "int4", "int4+int8")
+CONTENDERS = ("fp32", "bf16", "int4", "int4+int8", "int8")
 
 
 def int8_rounding(int8: dict[str, Int8Weights], model: nn.Module) -> dict[str, float]:
@@ -132,7 +142,8 @@ def runners(name: str, contenders: list[str]) -> tuple[dict[str, ModelRunner], d
     what was measured of the weights themselves."""
     cpu = torch.device("cpu")
     spec = ModelSpec(path=f"packaged:{name}")
-    fp32 = load_model(spec, GRID.max_cache, cpu).model
+    loaded = load_model(spec, GRID.max_cache, cpu)
+    fp32 = loaded.model
     directory = resolve_model_dir(spec)
     cached = (directory / gguf_int4.CACHE_FILE).is_file()
     shipped = shipped_int4(spec, directory, {} if cached else load_state_dict(directory))
@@ -143,9 +154,13 @@ def runners(name: str, contenders: list[str]) -> tuple[dict[str, ModelRunner], d
     models: dict[str, nn.Module] = {}
     if "fp32" in contenders:
         models["fp32"] = copy.deepcopy(fp32)
+    smoothing = smoothing_factors(fp32, loaded.tokenizer.encode(CALIBRATION_TEXT)) \
+        if "int8" in contenders else None
     bf16 = fp32.to_dtype(torch.bfloat16)  # in place: the fp32 weights go
     if "bf16" in contenders:
         models["bf16"] = copy.deepcopy(bf16)
+    if "int8" in contenders:  # as load_model builds quantize: int8, from the cast weights
+        models["int8"] = int8_weights(copy.deepcopy(bf16), ExactInt8Linear, smoothing)
     if "int4" in contenders or "int4+int8" in contenders:
         models["int4"] = weight_only_linears(bf16, int4, cpu)
     if "int4+int8" in contenders:

@@ -89,13 +89,14 @@ def our_contender(engine: Engine, params: SamplingParams) -> Contender:
     return run
 
 
-OUR_TARGETS = ("bf16", "int4", "int4+int8")
+OUR_TARGETS = ("bf16", "int4", "int4+int8", "int8")
 
 
 def our_engines(threads: int, batch_sizes: list[int], targets: list[str]) -> dict[str, Engine]:
     """Per target, plain and with the 0.5B int8 draft (K auto) over one load of its weights:
     packed bf16 as qwen_pair.py builds it; quantize: int4 and int4+int8 (the GGUF's 4-bit
-    blocks, its other linears bf16 or int8 per channel)."""
+    blocks, its other linears bf16 or int8 per channel); quantize: int8 (every linear int8 per
+    channel, activations int8 per row)."""
     grid = GRID.model_copy(update={"batch_sizes": batch_sizes})
     draft = DraftSpec(kind="model", model=DRAFT.model_copy(update={"dtype": "bfloat16"}),
                       dtype="int8")

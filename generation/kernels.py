@@ -34,11 +34,12 @@ DISABLE_ENV = "CORPUSGEN_DISABLE_KERNELS"
 ONEDNN_PACKED_BF16 = "onednn-packed-bf16"  # private op, prepacked once: measured faster
 FBGEMM_INT8 = "fbgemm-int8"  # dynamic W8A8 linears of int8 drafts
 INT_MM = "int-mm"  # exact int8 x int8 -> int32 GEMM of int8 targets
+FBGEMM_INT8_ROWS = "fbgemm-int8-rows"  # the same, in fbgemm: activations scaled per row
 INT4PACK_MM = "int4pack-mm"  # 4-bit group-wise weights x bf16 rows, each row alone
 INT8PACK_MM = "int8pack-mm"  # int8 per-channel weights x bf16 rows, each row alone
 ONEDNN_PACKED_FP32 = "onednn-packed-fp32"  # a target's fp32 linears: one rounding from 2 rows on
-FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, INT_MM, INT4PACK_MM, INT8PACK_MM,
-              ONEDNN_PACKED_FP32)
+FAST_PATHS = (ONEDNN_PACKED_BF16, FBGEMM_INT8, FBGEMM_INT8_ROWS, INT_MM, INT4PACK_MM,
+              INT8PACK_MM, ONEDNN_PACKED_FP32)
 
 
 class KernelUnavailable(RuntimeError):
@@ -160,6 +161,48 @@ def fbgemm_int8() -> Probe:
         return bool(torch.allclose(out, reference, atol=0.1 * float(reference.abs().max())))
 
     return _reported(FBGEMM_INT8, _tried(FBGEMM_INT8, attempt))
+
+
+ROW_CODE_LIMIT = 126  # activation codes of an exact int8 linear: [-126, 126], a scale per row
+HALF_ZERO_POINT = 64  # each half code in [-63, 63] is stored as an unsigned 7-bit 1..127
+
+
+def fbgemm_int8_rows(codes: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
+    """Rows of integer activation codes (fp32 holding [-126, 126]) times fbgemm-packed int8
+    weights, each row's sum exact in int32, then times the weights' scales: [rows, out] fp32.
+
+    fbgemm takes activations as unsigned 8-bit numbers with a scale and zero point given per
+    call (here 1 and 64: the codes themselves). Its AVX2 code adds pairs of u8 x s8 products in
+    int16 and saturates past 32767, so full 8-bit codes (255 x 127 x 2) would not be summed
+    exactly there; each code is split into two halves of at most 63 (127 x 127 x 2 fits), both
+    halves run as rows of one call (the weights are read once), and their results are added.
+    Integer sums make a row's result independent of the call's other rows."""
+    high = torch.floor(codes * 0.5)
+    halves = torch.cat([high, codes - high])
+    out = torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        halves, 1.0, HALF_ZERO_POINT, packed)
+    return out[: len(codes)] + out[len(codes):]
+
+
+@_probe
+def fbgemm_int8_rows_exact() -> Probe:
+    """fbgemm_int8_rows: equal to the integer product at its extremes (where int16 pair sums
+    would saturate) and on random codes, and a row alone the same as among others."""
+
+    def attempt() -> bool:
+        generator = torch.Generator().manual_seed(0)
+        weights = torch.randint(-127, 128, (32, 64), generator=generator, dtype=torch.int8)
+        weights[0], weights[1] = 127, -127
+        scales = torch.rand(32, generator=generator) / 100 + 1e-3
+        codes = torch.randint(-126, 127, (6, 64), generator=generator).float()
+        codes[0], codes[1] = ROW_CODE_LIMIT, -ROW_CODE_LIMIT
+        packed = fbgemm_prepack(weights, scales, None)
+        out = fbgemm_int8_rows(codes, packed)
+        integer = codes.double() @ weights.double().t() * scales.double()
+        close = torch.allclose(out.double(), integer, rtol=1e-6, atol=1e-6)
+        return close and torch.equal(fbgemm_int8_rows(codes[5:], packed), out[5:])
+
+    return _reported(FBGEMM_INT8_ROWS, _tried(FBGEMM_INT8_ROWS, attempt))
 
 
 @_probe
@@ -350,7 +393,7 @@ def cpu_summary() -> str:
 # kernels, MKL and oneDNN each run their AVX2 code, and oneDNN refuses its bf16 kernels. Set
 # in the environment before torch loads, they give an AVX2 CPU's kernel paths on any x86 CPU.
 AVX2_CAPS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2",
-             "ONEDNN_MAX_CPU_ISA": "AVX2"}
+             "ONEDNN_MAX_CPU_ISA": "AVX2", "FBGEMM_ENABLE_INSTRUCTIONS": "AVX2"}
 
 
 def hardware() -> dict[str, str]:

@@ -25,7 +25,13 @@ from generation.device import resolve_device
 from generation.int4 import int4_draft, int4_weights_of, int8_weights_of, weight_only_linears
 from generation.model import CausalLM, DecoderConfig
 from generation.proposers import ModelProposer, NoProposer, PromptLookupProposer
-from generation.quantize import ExactInt8Linear, int8_weights, quantized_copy
+from generation.quantize import (
+    CALIBRATION_TEXT,
+    ExactInt8Linear,
+    int8_weights,
+    quantized_copy,
+    smoothing_factors,
+)
 from generation.runner import ModelRunner
 from schemas import EngineConfig, ModelSpec
 from schemas.engine import PACKAGED_PREFIX
@@ -322,18 +328,21 @@ def load_model(spec: ModelSpec, max_positions: int, device: torch.device) -> Loa
     model = CausalLM(DecoderConfig.from_hf(config), max_positions)
     state = load_state_dict(directory)
     model.load_hf_weights(state)
+    tokenizer = load_tokenizer(directory)
     compact: dict = {}  # rounded from the fp32 weights, before the cast
     if spec.four_bit:
         compact = int4_weights_of(model, shipped_int4(spec, directory, state))
         if spec.quantize == "int4+int8":
             compact |= int8_weights_of(model, compact)
+    smoothing = None  # measured on the fp32 model (a bf16 forward is slow without AVX-512)
+    if spec.quantize == "int8":
+        smoothing = smoothing_factors(model.eval(), tokenizer.encode(CALIBRATION_TEXT))
     del state  # the fp32 checkpoint (6 GB for Qwen 1.5B): freed before the cast copies it
     model = model.to_dtype(DTYPES[spec.dtype]).to(device).eval()
     if spec.quantize == "int8":
-        model = int8_weights(model, ExactInt8Linear)
+        model = int8_weights(model, ExactInt8Linear, smoothing)
     elif compact:
         model = weight_only_linears(model, compact, device)
-    tokenizer = load_tokenizer(directory)
     eos = eos_token_ids(directory, config) | {tokenizer.eos_token_id} - {None}
     return LoadedModel(model, tokenizer, directory, weights_sha256(directory), frozenset(eos))
 

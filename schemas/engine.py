@@ -44,7 +44,9 @@ class ModelSpec(StrictModel):
     quantize: Literal["int8", "int4", "int4+int8"] | None = Field(
         None,
         description="int8: linears as int8 weights x per-row int8 activations, an exact integer "
-        "GEMM, so results stay batch-invariant (fit for a target); dtype is the rest's. int4: "
+        "GEMM (fbgemm's, else torch._int_mm), so results stay batch-invariant (fit for a "
+        "target); activations smoothed per channel (SmoothQuant, from one forward of a fixed "
+        "text at load); the fastest decode with AVX2 code; dtype is the rest's. int4: "
         "4-bit weights (groups of 32) with bf16 activations (needs dtype bfloat16), each row "
         "computed alone, batch-invariant too; a GGUF keeps its own 4-bit blocks (Q4_0, Q4_1, "
         "Q4_K) and its other linears in bf16, a float checkpoint is rounded to 4 bits. "

@@ -9,11 +9,12 @@ from transformers import AutoModelForCausalLM
 from generation import Engine, kernels
 from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec
 
-# An int8 target needs an exact int8 GEMM: oneDNN's AVX2 path (no VNNI) saturates int16 pair
-# sums, so its probe refuses there (measured with ONEDNN_MAX_CPU_ISA=AVX2: off by up to 15784).
-needs_int_mm = pytest.mark.skipif(
-    not kernels.int_mm().available,
-    reason=f"an int8 target needs torch._int_mm exact here: {kernels.int_mm().reason} "
+# An int8 target needs an exact int8 GEMM: fbgemm's (split into 7-bit halves, AVX2 and up)
+# or torch._int_mm (oneDNN's AVX2 path saturates int16 pair sums, so its probe refuses there).
+needs_exact_int8 = pytest.mark.skipif(
+    not (kernels.fbgemm_int8_rows_exact().available or kernels.int_mm().available),
+    reason=f"an int8 target needs an exact int8 GEMM: fbgemm's "
+    f"({kernels.fbgemm_int8_rows_exact().reason}) or torch._int_mm ({kernels.int_mm().reason}) "
     f"(CPU: {kernels.cpu_summary()})",
 )
 

@@ -1,5 +1,5 @@
 """Run in a child process (under an emulated AVX2-only CPU, or with fast kernels disabled):
-a bf16 target with each draft kind that has weights, and an int4 target with prompt lookup,
+a bf16 target with each draft kind that has weights, and int4 and int8 targets with prompt lookup,
 greedy and seeded, against plain decoding at the same precision. Prints one JSON object: the
 CPU, each probe's verdict, the kernels each engine ran, and whether every speculative
 completion equalled plain decoding's.
@@ -50,6 +50,7 @@ def main(model_dir: str, greedy_only: bool = False) -> dict:
         "probes": {name: probe().reason for name, probe in (
             (kernels.ONEDNN_PACKED_BF16, kernels.packed_bf16),
             (kernels.FBGEMM_INT8, kernels.fbgemm_int8),
+            (kernels.FBGEMM_INT8_ROWS, kernels.fbgemm_int8_rows_exact),
             (kernels.INT_MM, kernels.int_mm),
             (kernels.INT4PACK_MM, kernels.int4pack_mm),
             (kernels.INT8PACK_MM, kernels.int8pack_mm),
@@ -66,14 +67,20 @@ def main(model_dir: str, greedy_only: bool = False) -> dict:
             got = [c.token_ids for c in speculative.generate(prompts, params)]
             result["identical"][f"{draft_name}/{name}"] = got == expected[name]
             result["rounds"][f"{draft_name}/{name}"] = speculative.stats.rounds
-    plain_int4 = engine(model_dir, None, "int4")
-    speculative_int4 = engine(model_dir, DraftSpec(kind="prompt_lookup"), "int4")
-    result["kernels"]["int4-target"] = plain_int4.hardware_info["cpu_kernels"]
-    for name, params in params_used.items():
-        got = [c.token_ids for c in speculative_int4.generate(prompts, params)]
-        expected_int4 = [c.token_ids for c in plain_int4.generate(prompts, params)]
-        result["identical"][f"int4-target/prompt-lookup/{name}"] = got == expected_int4
-        result["rounds"][f"int4-target/prompt-lookup/{name}"] = speculative_int4.stats.rounds
+    for quantize in ("int4", "int8"):
+        try:
+            plain_quantized = engine(model_dir, None, quantize)
+        except kernels.KernelUnavailable as refused:  # int8 without an exact int8 GEMM
+            result["kernels"][f"{quantize}-target"] = f"refused: {refused}"
+            continue
+        speculative = engine(model_dir, DraftSpec(kind="prompt_lookup"), quantize)
+        result["kernels"][f"{quantize}-target"] = plain_quantized.hardware_info["cpu_kernels"]
+        for name, params in params_used.items():
+            got = [c.token_ids for c in speculative.generate(prompts, params)]
+            expected_quantized = [c.token_ids for c in plain_quantized.generate(prompts, params)]
+            key = f"{quantize}-target/prompt-lookup/{name}"
+            result["identical"][key] = got == expected_quantized
+            result["rounds"][key] = speculative.stats.rounds
     return result
 
 

@@ -62,6 +62,12 @@ def test_the_cpu_is_named_by_model_and_isa():
     assert set(extensions) <= set(kernels.ISA_PROBES)
 
 
+def exact_int8_kernel() -> str:
+    """The kernel an int8 target runs here: fbgemm's, else torch._int_mm."""
+    return kernels.FBGEMM_INT8_ROWS if kernels.fbgemm_int8_rows_exact().available \
+        else kernels.INT_MM
+
+
 def test_without_the_packed_kernel_a_bf16_engine_runs_torchs_linear_and_stays_exact(
     disabled_kernels, tiny_llama_small_vocab_dir
 ):
@@ -75,6 +81,7 @@ def test_without_the_packed_kernel_a_bf16_engine_runs_torchs_linear_and_stays_ex
         "quantized-bf16": f"target={target} draft=fp32-compute",
         "quantized-int8": f"target={target} draft=fbgemm-int8",
         "int4-target": "target=" + "+".join(sorted([kernels.INT4PACK_MM, target])),
+        "int8-target": f"target={exact_int8_kernel()}",
     }
     assert all(result["identical"].values()), result["identical"]
     assert all(result["rounds"].values()), result["rounds"]
@@ -94,10 +101,17 @@ def test_an_int8_draft_without_fbgemm_is_refused_naming_the_kernel_and_the_way_o
 
 
 
-def test_an_int8_target_without_int_mm_is_refused(disabled_kernels, tiny_llama_dir):
-    disabled_kernels(kernels.INT_MM)
+def test_an_int8_target_without_an_exact_int8_gemm_is_refused(disabled_kernels, tiny_llama_dir):
+    """Either exact kernel will do (each alone is tested in test_speculative); with neither,
+    the refusal names both and the way out."""
     target = ModelSpec(path=str(tiny_llama_dir), quantize="int8")
-    with pytest.raises(KernelUnavailable, match=r"an int8 target .*\(remove quantize\)"):
+    disabled_kernels(kernels.FBGEMM_INT8_ROWS)
+    if kernels.int_mm().available:
+        assert engine_for(tiny_llama_dir, target=target).hardware_info["cpu_kernels"] == \
+            f"target={kernels.INT_MM}"
+    disabled_kernels(f"{kernels.FBGEMM_INT8_ROWS},{kernels.INT_MM}")
+    with pytest.raises(KernelUnavailable, match=r"an int8 target .*fbgemm: disabled .*"
+                       r"torch._int_mm: disabled .*\(remove quantize\)"):
         engine_for(tiny_llama_dir, target=target)
 
 
@@ -143,6 +157,8 @@ def test_with_each_library_capped_at_avx2_the_engine_falls_back_and_stays_exact(
     assert "avx512bw" in result["probes"][kernels.ONEDNN_PACKED_BF16]
     assert result["probes"][kernels.ONEDNN_PACKED_FP32] == "probe passed"
     assert result["kernels"]["plain"] == f"target={kernels.ONEDNN_PACKED_FP32}"
+    assert result["probes"][kernels.FBGEMM_INT8_ROWS] == "probe passed"  # fbgemm's AVX2 code
+    assert result["kernels"]["int8-target"] == f"target={kernels.FBGEMM_INT8_ROWS}"
     assert all(result["identical"].values()), result["identical"]
     assert "kernel onednn-packed-bf16 unavailable, using the fallback" in log
 
@@ -168,6 +184,8 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
     assert result["probes"][kernels.INT4PACK_MM] == "probe passed"  # its AVX2 path
     assert result["probes"][kernels.INT8PACK_MM] == "probe passed"  # its AVX2 path
     assert result["kernels"]["int4-target"] == "target=int4pack-mm+onednn-packed-fp32"
+    assert result["probes"][kernels.FBGEMM_INT8_ROWS] == "probe passed"  # the 7-bit halves
+    assert result["kernels"]["int8-target"] == f"target={kernels.FBGEMM_INT8_ROWS}"
     assert all(result["identical"].values()), result["identical"]
     assert "kernel onednn-packed-bf16 unavailable, using the fallback" in log
 

@@ -14,7 +14,7 @@ from engine_helpers import (
     SMALL_GRID,
     drafts,
     engine_for,
-    needs_int_mm,
+    needs_exact_int8,
     varied_prompts,
 )
 
@@ -131,7 +131,7 @@ def test_smollm2_int8_draft_reproduces_plain_sampling(smollm2_spec):
     assert speculative.stats.accepted > 0
 
 
-@needs_int_mm
+@needs_exact_int8
 def test_an_int8_target_keeps_its_completions_whatever_the_batch_draft_or_k(
     tiny_llama_dir, tiny_llama_other_dir
 ):

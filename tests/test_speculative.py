@@ -13,13 +13,13 @@ from engine_helpers import (
     drafts,
     engine_for,
     hf_greedy,
-    needs_int_mm,
+    needs_exact_int8,
     varied_prompts,
 )
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from generation import quantize
+from generation import kernels, quantize
 from generation.draft_length import DraftStopper, FixedDraftLength
 from generation.phase import prefilling
 from generation.quantize import ExactInt8Linear, Int8Linear
@@ -297,26 +297,69 @@ def test_a_deep_copied_int8_linear_compiles_with_its_own_packed_weights():
         assert torch.equal(torch.compile(copied)(x), copied(x))
 
 
-@needs_int_mm
-def test_exact_int8_linear_is_row_invariant_and_close():
-    """A row's output is bitwise the same alone or among 8 neighbours (decode), and both the
-    integer product and the prefill's dense product track the float linear."""
+EXACT_INT8_KERNELS = {kernels.FBGEMM_INT8_ROWS: kernels.fbgemm_int8_rows_exact,
+                      kernels.INT_MM: kernels.int_mm}
+
+
+@pytest.mark.parametrize("kernel", EXACT_INT8_KERNELS)
+def test_exact_int8_linear_is_row_invariant_and_close(kernel, monkeypatch):
+    """With either exact kernel, a row's output is bitwise the same alone or among 8
+    neighbours (decode), and both the integer product and the prefill's product track the
+    float linear; fbgemm's prefill is the very integer product."""
+    others = [name for name in EXACT_INT8_KERNELS if name != kernel]
+    with kernels.disabled(*others):
+        if not EXACT_INT8_KERNELS[kernel]().available:
+            pytest.skip(f"{kernel}: {EXACT_INT8_KERNELS[kernel]().reason}")
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(64, 48, bias=True)
+        exact = ExactInt8Linear(linear)
+        assert exact.kernel == kernel
+        x = torch.randn(8, 3, 64)
+        assert torch.equal(exact(x)[2:3, :1], exact(x[2:3, :1]))
+        expected = linear(x)
+        for got in (exact(x), _prefilled(exact, x)):
+            assert (got - expected).norm() / expected.norm() < 0.03
+        if kernel == kernels.FBGEMM_INT8_ROWS:
+            assert torch.equal(_prefilled(exact, x), exact(x))
+
+
+@needs_exact_int8
+def test_smoothing_moves_an_outlier_channels_rounding_into_the_weights():
+    """Rows whose channel 5 is 50x the others: per-row codes give that channel most of the
+    126 steps. SmoothQuant's factors (max|x|^0.5 / max|W|^0.5 per channel) even the channels
+    out, and the product keeps its value (x / s times W * s)."""
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48, bias=True)
-    exact = ExactInt8Linear(linear)
-    x = torch.randn(8, 3, 64)
-    assert torch.equal(exact(x)[2:3, :1], exact(x[2:3, :1]))
+    x = torch.randn(16, 64)
+    x[:, 5] *= 50
+    smoothing = (x.abs().amax(0) ** 0.5 / linear.weight.detach().abs().amax(0) ** 0.5)
     expected = linear(x)
-    for got in (exact(x), _prefilled(exact, x)):
-        assert (got - expected).norm() / expected.norm() < 0.03
+    errors = [float((ExactInt8Linear(linear, s)(x) - expected).norm() / expected.norm())
+              for s in (None, smoothing)]
+    assert errors[1] < errors[0] / 2, errors
 
 
-@needs_int_mm
+def test_fbgemm_int8_rows_sums_exactly_where_int16_pairs_would_saturate():
+    """Codes at +-126 times weights at +-127: a pair of full 8-bit products (255 x 127 x 2)
+    passes int16's 32767, which fbgemm's AVX2 code saturates; the two 7-bit halves do not."""
+    if not kernels.fbgemm_int8_rows_exact().available:
+        pytest.skip(kernels.fbgemm_int8_rows_exact().reason)
+    weights = torch.full((16, 64), 127, dtype=torch.int8)
+    weights[8:] = -127
+    scales = torch.full((16,), 0.5)
+    codes = torch.tensor([[126.0] * 64, [-126.0] * 64, [125.0, -126.0] * 32])
+    out = kernels.fbgemm_int8_rows(codes, kernels.fbgemm_prepack(weights, scales, None))
+    assert torch.equal(out.double(), codes.double() @ weights.double().t() * 0.5)
+
+
 def test_exact_int8_rows_padded_for_cudas_kernel_keep_their_results(monkeypatch):
     """CUDA's _int_mm needs more than 16 rows; a decode step's 1-8 rows are padded with zeros
     there. Padding (forced here on CPU) must give every real row the same result."""
-    torch.manual_seed(0)
-    exact = ExactInt8Linear(torch.nn.Linear(64, 48, bias=True))
+    with kernels.disabled(kernels.FBGEMM_INT8_ROWS):
+        if not kernels.int_mm().available:
+            pytest.skip(kernels.int_mm().reason)
+        torch.manual_seed(0)
+        exact = ExactInt8Linear(torch.nn.Linear(64, 48, bias=True))
     x = torch.randn(3, 1, 64)
     unpadded = exact(x)
     monkeypatch.setitem(quantize.INT_MM_MIN_ROWS, "cpu", 17)
