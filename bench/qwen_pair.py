@@ -13,7 +13,6 @@ Usage: python bench/qwen_pair.py [--repeats 3] [--threads 1] [--max-new-tokens 6
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import statistics
 
@@ -30,7 +29,7 @@ from bench._common import (
 from generation import Engine
 from generation.loading import DTYPES, load_model, load_tokenizer, resolve_model_dir
 from generation.proposers import ModelProposer, PromptLookupProposer
-from generation.quantize import ExactInt8Linear, int8_weights
+from generation.quantize import int8_weights
 from generation.runner import ModelRunner
 from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
@@ -126,8 +125,7 @@ def build_engines(
     targets = {False: (target_spec, target)}
     if any(ENGINES[name].get("int8_target") for name in names):
         int8_spec = target_spec.model_copy(update={"quantize": "int8"})
-        int8_model = int8_weights(copy.deepcopy(target.model), ExactInt8Linear)
-        targets[True] = (int8_spec, dataclasses.replace(target, model=int8_model))
+        targets[True] = (int8_spec, load_model(int8_spec, grid.max_cache, device))  # smoothed
     engines = {}
     for name in names:
         overrides = dict(ENGINES[name])
