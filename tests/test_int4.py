@@ -15,7 +15,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from engine_helpers import SMALL_GRID, drafts, engine_for, varied_prompts
-from test_seeded_sampling import SAMPLING, alone, shuffled
+from test_seeded_sampling import (
+    SAMPLING,
+    alone,
+    assert_seeded_records_hold_under_an_int8_draft,
+    shuffled,
+)
 
 from generation import gguf_int4, kernels
 from generation.draft_length import FixedDraftLength
@@ -286,15 +291,4 @@ def test_int4_int8_runs_smollm2s_q8_0_head_int8_and_keeps_the_engines_promises(s
         assert float((got - expected).abs().max()) < 0.015 * scale  # measured 0.3-0.5 %
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
 
-    params = SAMPLING["top-k-top-p"]
-    one_row = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
-    expected = alone(engine_for(spec.path, target=spec, bucket_grid=one_row), params)
-    assert shuffled(plain, params, order_seed=3) == expected
-    draft = DraftSpec(kind="model", model=smollm2_spec.model_copy(update={"dtype": "bfloat16"}),
-                      dtype="int8")
-    speculative = engine_for(spec.path, target=spec, draft=draft, num_draft_tokens="auto")
-    auto = speculative.draft_length
-    for order_seed, k in enumerate([2, None]):
-        speculative.draft_length = auto if k is None else FixedDraftLength(k)
-        assert shuffled(speculative, params, order_seed) == expected, k
-    assert speculative.stats.rounds > 0
+    assert_seeded_records_hold_under_an_int8_draft(spec, plain, smollm2_spec)

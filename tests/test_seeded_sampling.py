@@ -51,6 +51,25 @@ def shuffled(engine: Engine, params: SamplingParams, order_seed: int) -> list[li
     return tokens
 
 
+def assert_seeded_records_hold_under_an_int8_draft(
+    spec: ModelSpec, plain: Engine, draft_model: ModelSpec
+) -> None:
+    """`spec`'s seeded records are the same alone, in a shuffled batch of `plain` (an engine of
+    `spec`), and under an int8 draft of `draft_model` at K=2 and K auto."""
+    params = SAMPLING["top-k-top-p"]
+    one_row = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
+    expected = alone(engine_for(spec.path, target=spec, bucket_grid=one_row), params)
+    assert shuffled(plain, params, order_seed=3) == expected
+    draft = DraftSpec(kind="model", model=draft_model.model_copy(update={"dtype": "bfloat16"}),
+                      dtype="int8")
+    speculative = engine_for(spec.path, target=spec, draft=draft, num_draft_tokens="auto")
+    auto = speculative.draft_length
+    for order_seed, k in enumerate([2, None]):
+        speculative.draft_length = auto if k is None else FixedDraftLength(k)
+        assert shuffled(speculative, params, order_seed) == expected, k
+    assert speculative.stats.rounds > 0
+
+
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir) -> dict[str, list[list[int]]]:
     """Plain decoding, batch 1, every prompt alone: what every other setting must reproduce."""
