@@ -1,8 +1,7 @@
 """quantize: int8 on real weights: every linear int8 per output channel, activations int8 per
 row, summed exactly (fbgemm's kernel, else torch._int_mm). Its logits track the same int8
 weights with float activations within the activations' rounding, and it keeps the engine's
-promises: seeded records
-the same alone, in a batch, and under speculation at any K."""
+promises: seeded records the same alone, in a batch, and under speculation at any K."""
 
 from __future__ import annotations
 
