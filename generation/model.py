@@ -305,6 +305,14 @@ class KVCache:
     def scratch_row(self) -> int:
         return self.rows - 1
 
+    def copy_prefix(self, source: int, destinations: list[int], length: int) -> None:
+        """Give `destinations` row `source`'s first `length` positions: what prefilling the
+        same prompt there would write, without the forward. Row by row, so every copy's shape
+        is [kv_heads, prompt bucket, head_dim], on the grid HPU graphs were built for."""
+        for tensor in (*self.keys, *self.values):
+            for row in destinations:
+                tensor[row, :, :length].copy_(tensor[source, :, :length])
+
     def move_rows(self, sources: list[int], destinations: list[int]) -> None:
         """Compact live rows into a prefix so a smaller batch bucket can slice the cache."""
         src = torch.tensor(sources, device=self.keys[0].device)

@@ -190,10 +190,22 @@ class ModelRunner:
         never depend on what it was admitted with: oneDNN's packed bf16 GEMM rounds a row
         differently with the number of rows in the call (0.008 at 96 vs 384 rows on Qwen
         1.5B), which made a record's tokens depend on its batch. Only this forward's keys are
-        attended, so no cache is read and any row may be filled.
+        attended, so no cache is read and any row may be filled. A prompt repeated in the call
+        (samples_per_prompt's samples) runs once and its cache prefix is copied to the other
+        rows: the values its own forward would write there.
         """
-        return torch.cat([self._prefill_one(prompt, row) for prompt, row in zip(
-            prompts, rows, strict=True)])
+        firsts: dict[tuple[int, ...], list[int]] = {}  # prompt -> its rows' indices in the call
+        for i, prompt in enumerate(prompts):
+            firsts.setdefault(tuple(prompt), []).append(i)
+        logits: list[torch.Tensor | None] = [None] * len(prompts)
+        for prompt, (first, *repeats) in firsts.items():
+            logits[first] = self._prefill_one(list(prompt), rows[first])
+            if repeats:
+                length = bucket(self.grid.prompt_lengths, len(prompt))
+                self.cache.copy_prefix(rows[first], [rows[i] for i in repeats], length)
+                for i in repeats:
+                    logits[i] = logits[first]
+        return torch.cat(logits)
 
     def _prefill_one(self, prompt: list[int], row: int) -> torch.Tensor:
         t = bucket(self.grid.prompt_lengths, len(prompt))

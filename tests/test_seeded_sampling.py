@@ -95,6 +95,34 @@ def test_plain_sampling_ignores_batch_and_order(tiny_llama_dir, reference):
         assert shuffled(engine, params, order_seed=2) == reference[name], name
 
 
+def prefill_forwards(runner) -> int:
+    return sum(count for key, count in runner.shapes.items() if key[0] == "prefill")
+
+
+def test_a_prompt_repeated_in_a_call_prefills_once_and_samples_as_if_alone(
+    tiny_llama_dir, tiny_llama_other_dir
+):
+    """samples_per_prompt's samples of one prompt, admitted together: target and draft run one
+    prefill per distinct prompt, and every copy gets the records it gets alone (a copied cache
+    that differed from its own prefill's would move its tokens)."""
+    one_row = SMALL_GRID.model_copy(update={"batch_sizes": [1]})
+    params = SAMPLING["plain"]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0]]
+    seeds = [5, 6, 7, 8]
+    expected = [engine_for(tiny_llama_dir, bucket_grid=one_row).generate(
+        [prompt], params, seeds=[seed])[0].token_ids for prompt, seed in zip(prompts, seeds)]
+    assert len({tuple(expected[i]) for i in (0, 2, 3)}) == 3  # the copies are sampled apart
+    spec = drafts(tiny_llama_dir, tiny_llama_other_dir)["independent-model"]
+    engine = engine_for(tiny_llama_dir, draft=spec, num_draft_tokens=2)
+    runners = {"target": engine.target, "draft": engine.proposer.runner}
+    before = {name: prefill_forwards(runner) for name, runner in runners.items()}
+    done = engine.generate(prompts, params, seeds=seeds)
+    assert [c.token_ids for c in done] == expected
+    assert engine.stats.rounds > 0
+    assert {name: prefill_forwards(runner) - before[name] for name, runner in runners.items()} \
+        == {"target": 2, "draft": 2}
+
+
 @pytest.mark.parametrize("draft", DRAFT_NAMES)
 def test_every_draft_and_k_reproduces_plain_sampling(
     draft, tiny_llama_dir, tiny_llama_other_dir, reference
