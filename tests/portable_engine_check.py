@@ -51,6 +51,7 @@ def main(model_dir: str, greedy_only: bool = False) -> dict:
             (kernels.ONEDNN_PACKED_BF16, kernels.packed_bf16),
             (kernels.FBGEMM_INT8, kernels.fbgemm_int8),
             (kernels.FBGEMM_INT8_ROWS, kernels.fbgemm_int8_rows_exact),
+            (kernels.FBGEMM_INT8_WHOLE, kernels.fbgemm_int8_whole),
             (kernels.INT_MM, kernels.int_mm),
             (kernels.INT4PACK_MM, kernels.int4pack_mm),
             (kernels.INT8PACK_MM, kernels.int8pack_mm),

@@ -109,8 +109,9 @@ def test_a_prompt_repeated_in_a_call_prefills_once_and_samples_as_if_alone(
     params = SAMPLING["plain"]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[0], PROMPTS[0]]
     seeds = [5, 6, 7, 8]
-    expected = [engine_for(tiny_llama_dir, bucket_grid=one_row).generate(
-        [prompt], params, seeds=[seed])[0].token_ids for prompt, seed in zip(prompts, seeds)]
+    alone = engine_for(tiny_llama_dir, bucket_grid=one_row)
+    expected = [alone.generate([prompt], params, seeds=[seed])[0].token_ids
+                for prompt, seed in zip(prompts, seeds, strict=True)]
     assert len({tuple(expected[i]) for i in (0, 2, 3)}) == 3  # the copies are sampled apart
     spec = drafts(tiny_llama_dir, tiny_llama_other_dir)["independent-model"]
     engine = engine_for(tiny_llama_dir, draft=spec, num_draft_tokens=2)

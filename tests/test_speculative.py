@@ -297,19 +297,23 @@ def test_a_deep_copied_int8_linear_compiles_with_its_own_packed_weights():
         assert torch.equal(torch.compile(copied)(x), copied(x))
 
 
-EXACT_INT8_KERNELS = {kernels.FBGEMM_INT8_ROWS: kernels.fbgemm_int8_rows_exact,
-                      kernels.INT_MM: kernels.int_mm}
+EXACT_INT8_KERNELS = {  # each exact kernel: its probe, and the fast paths off so it runs alone
+    kernels.FBGEMM_INT8_WHOLE: (kernels.fbgemm_int8_whole, [kernels.INT_MM]),
+    kernels.FBGEMM_INT8_ROWS: (kernels.fbgemm_int8_rows_exact,
+                               [kernels.FBGEMM_INT8_WHOLE, kernels.INT_MM]),
+    kernels.INT_MM: (kernels.int_mm, [kernels.FBGEMM_INT8_ROWS]),
+}
 
 
 @pytest.mark.parametrize("kernel", EXACT_INT8_KERNELS)
 def test_exact_int8_linear_is_row_invariant_and_close(kernel, monkeypatch):
-    """With either exact kernel, a row's output is bitwise the same alone or among 8
+    """With each exact kernel, a row's output is bitwise the same alone or among 8
     neighbours (decode), and both the integer product and the prefill's product track the
     float linear; fbgemm's prefill is the very integer product."""
-    others = [name for name in EXACT_INT8_KERNELS if name != kernel]
+    probe, others = EXACT_INT8_KERNELS[kernel]
     with kernels.disabled(*others):
-        if not EXACT_INT8_KERNELS[kernel]().available:
-            pytest.skip(f"{kernel}: {EXACT_INT8_KERNELS[kernel]().reason}")
+        if not probe().available:
+            pytest.skip(f"{kernel}: {probe().reason}")
         torch.manual_seed(0)
         linear = torch.nn.Linear(64, 48, bias=True)
         exact = ExactInt8Linear(linear)
@@ -319,7 +323,7 @@ def test_exact_int8_linear_is_row_invariant_and_close(kernel, monkeypatch):
         expected = linear(x)
         for got in (exact(x), _prefilled(exact, x)):
             assert (got - expected).norm() / expected.norm() < 0.03
-        if kernel == kernels.FBGEMM_INT8_ROWS:
+        if kernel != kernels.INT_MM:
             assert torch.equal(_prefilled(exact, x), exact(x))
 
 
@@ -340,16 +344,20 @@ def test_smoothing_moves_an_outlier_channels_rounding_into_the_weights():
     assert errors[1] < errors[0] / 2, errors
 
 
-def test_fbgemm_int8_rows_sums_exactly_where_int16_pairs_would_saturate():
+@pytest.mark.parametrize("kernel", [kernels.FBGEMM_INT8_WHOLE, kernels.FBGEMM_INT8_ROWS])
+def test_fbgemm_int8_rows_sums_exactly_where_int16_pairs_would_saturate(kernel):
     """Codes at +-126 times weights at +-127: a pair of full 8-bit products (255 x 127 x 2)
-    passes int16's 32767, which fbgemm's AVX2 code saturates; the two 7-bit halves do not."""
-    if not kernels.fbgemm_int8_rows_exact().available:
-        pytest.skip(kernels.fbgemm_int8_rows_exact().reason)
-    weights = torch.full((16, 64), 127, dtype=torch.int8)
-    weights[8:] = -127
-    scales = torch.full((16,), 0.5)
-    codes = torch.tensor([[126.0] * 64, [-126.0] * 64, [125.0, -126.0] * 32])
-    out = kernels.fbgemm_int8_rows(codes, kernels.fbgemm_prepack(weights, scales, None))
+    passes int16's 32767, which fbgemm's AVX2 code saturates; the two 7-bit halves do not, and
+    whole codes run only where the CPU sums them in int32."""
+    probe, others = EXACT_INT8_KERNELS[kernel]
+    with kernels.disabled(*others):
+        if not probe().available:
+            pytest.skip(f"{kernel}: {probe().reason}")
+        weights = torch.full((16, 64), 127, dtype=torch.int8)
+        weights[8:] = -127
+        scales = torch.full((16,), 0.5)
+        codes = torch.tensor([[126.0] * 64, [-126.0] * 64, [125.0, -126.0] * 32])
+        out = kernels.fbgemm_int8_rows(codes, kernels.fbgemm_prepack(weights, scales, None))
     assert torch.equal(out.double(), codes.double() @ weights.double().t() * 0.5)
 
 
