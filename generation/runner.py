@@ -194,11 +194,11 @@ class ModelRunner:
         (samples_per_prompt's samples) runs once and its cache prefix is copied to the other
         rows: the values its own forward would write there.
         """
-        firsts: dict[tuple[int, ...], list[int]] = {}  # prompt -> its rows' indices in the call
+        indices: dict[tuple[int, ...], list[int]] = {}  # prompt -> its indices in the call
         for i, prompt in enumerate(prompts):
-            firsts.setdefault(tuple(prompt), []).append(i)
+            indices.setdefault(tuple(prompt), []).append(i)
         logits: list[torch.Tensor | None] = [None] * len(prompts)
-        for prompt, (first, *repeats) in firsts.items():
+        for prompt, (first, *repeats) in indices.items():
             logits[first] = self._prefill_one(list(prompt), rows[first])
             if repeats:
                 length = bucket(self.grid.prompt_lengths, len(prompt))
