@@ -7,7 +7,8 @@ only the padded tokens differ. (Results dated 2026-12-06 measured a packed layou
 prompts in one sequence, since replaced: its rounding depended on the batch.) Qwen2.5-Coder-1.5B
 (`make models`; else SmolLM2), the code and free-text prompts of bench/qwen_pair.py, chat
 template applied, 8 at once, and each alone (prompt tokens per second, what llama.cpp's
-"prompt eval" reports). Calls alternate; medians. Prints JSON.
+"prompt eval" reports); and one prompt admitted 8 times (samples_per_prompt: one forward, its
+cache copied). Calls alternate; medians. Prints JSON.
 
     python bench/prefill.py [--repeats 5] [--threads 1] [--model packaged:...]
 """
@@ -61,7 +62,9 @@ def main() -> None:
         calls[f"{name}/b{len(batch)}/own_bucket"] = [batch]
         calls[f"{name}/b{len(batch)}/padded"] = [padded_to_longest(batch, GRID.prompt_lengths)]
         calls[f"{name}/b1/alone"] = [[p] for p in prompts]
-    useful = {key: sum(len(p) for p in sets[key.split("/")[0]][: len(call[0]) * len(call)])
+        calls[f"{name}/b{len(batch)}/one_prompt_sampled"] = [[batch[0]] * len(batch)]
+    useful = {key: sum(len(p) for p in call[0]) * len(call) if key.endswith("sampled") else
+              sum(len(p) for p in sets[key.split("/")[0]][: len(call[0]) * len(call)])
               for key, call in calls.items()}  # fmt: skip
     for call in calls.values():  # warm every shape these calls use
         for prompts in call:
@@ -84,6 +87,10 @@ def main() -> None:
         "own_bucket_vs_padded": {
             name: round(median[f"{name}/b8/padded"] / median[f"{name}/b8/own_bucket"], 2)
             for name in sets
+        },
+        "eight_prompts_vs_one_prompt_sampled_eight_times": {
+            name: round(median[f"{name}/b8/own_bucket"] / median[f"{name}/b8/one_prompt_sampled"],
+                        2) for name in sets
         },
     }, indent=2))  # fmt: skip
 
