@@ -193,7 +193,14 @@ def fbgemm_int8_halves(codes: torch.Tensor, packed: torch.ScriptObject) -> torch
     return out[: len(codes)] + out[len(codes):]
 
 
-def _fbgemm_codes(codes: torch.Tensor, zero_point: int, packed: torch.ScriptObject):
+def fbgemm_int8_rows_kernel() -> str:
+    """What fbgemm_int8_rows runs on this CPU: whole codes where they sum exactly, else halves."""
+    return FBGEMM_INT8_WHOLE if fbgemm_int8_whole().available else FBGEMM_INT8_ROWS
+
+
+def _fbgemm_codes(
+    codes: torch.Tensor, zero_point: int, packed: torch.ScriptObject
+) -> torch.Tensor:
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         codes, 1.0, zero_point, packed)
 

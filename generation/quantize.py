@@ -170,10 +170,7 @@ class ExactInt8Linear(FbgemmPacked):
 
     @property
     def kernel(self) -> str:
-        if self.packed is None:
-            return kernels.INT_MM
-        whole = kernels.fbgemm_int8_whole().available
-        return kernels.FBGEMM_INT8_WHOLE if whole else kernels.FBGEMM_INT8_ROWS
+        return kernels.fbgemm_int8_rows_kernel() if self.packed is not None else kernels.INT_MM
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inverse_smoothing is not None:

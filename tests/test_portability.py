@@ -67,8 +67,7 @@ def exact_int8_kernel() -> str:
     else torch._int_mm."""
     if not kernels.fbgemm_int8_rows_exact().available:
         return kernels.INT_MM
-    whole = kernels.fbgemm_int8_whole().available
-    return kernels.FBGEMM_INT8_WHOLE if whole else kernels.FBGEMM_INT8_ROWS
+    return kernels.fbgemm_int8_rows_kernel()
 
 
 def test_without_the_packed_kernel_a_bf16_engine_runs_torchs_linear_and_stays_exact(
