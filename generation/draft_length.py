@@ -56,9 +56,9 @@ class DraftLengthPolicy(Protocol):
     def new_prompts(self) -> None:
         """A new generate() call: its prompts are other text."""
 
-    def wants_draft(self, width: int, prompt_lengths: list[int], horizon: float) -> bool:
-        """Whether rows being admitted at batch bucket `width` should get the draft's prefill
-        now; they have `horizon` tokens left to generate."""
+    def wants_draft(self, width: int, prompts: list[list[int]], horizon: float) -> bool:
+        """Whether rows being admitted at batch bucket `width` with these prompts should get
+        the draft's prefill now; they have `horizon` tokens left to generate."""
 
     def choose(self, rows: StepRows) -> tuple[int, float]:
         """K for this step (0: plain) and the draft catch-up seconds a K round pays first."""
@@ -90,7 +90,7 @@ class PlainDecoding:
     def new_prompts(self) -> None:
         pass
 
-    def wants_draft(self, width: int, prompt_lengths: list[int], horizon: float) -> bool:
+    def wants_draft(self, width: int, prompts: list[list[int]], horizon: float) -> bool:
         return False
 
     def choose(self, rows: StepRows) -> tuple[int, float]:
@@ -121,7 +121,7 @@ class FixedDraftLength(PlainDecoding):
     def catch_up_widths(self) -> list[int]:
         return [CATCH_UP_WIDTHS[0]]  # every step drafts: the draft lags by one token only
 
-    def wants_draft(self, width: int, prompt_lengths: list[int], horizon: float) -> bool:
+    def wants_draft(self, width: int, prompts: list[list[int]], horizon: float) -> bool:
         return True
 
     def choose(self, rows: StepRows) -> tuple[int, float]:
@@ -167,8 +167,8 @@ class AutoDraftLength:
             lambda k: self.proposer.seconds_for(width, k),
         )
 
-    def wants_draft(self, width: int, prompt_lengths: list[int], horizon: float) -> bool:
-        prefill = self.proposer.prefill_seconds(prompt_lengths)
+    def wants_draft(self, width: int, prompts: list[list[int]], horizon: float) -> bool:
+        prefill = self.proposer.prefill_seconds(prompts)
         return self.chooser.wants_draft(width, *self._forward_prices(width), prefill, horizon)
 
     def choose(self, rows: StepRows) -> tuple[int, float]:

@@ -325,8 +325,8 @@ class Engine:
         prompts = [row.tokens for _, row in admitted]
         rows = [slot for slot, _ in admitted]
         logits = self.target.prefill(prompts, rows)
-        lengths, horizon = [len(p) for p in prompts], params.max_new_tokens - 1
-        with_draft = self.draft_length.wants_draft(len(slots), lengths, horizon)
+        horizon = params.max_new_tokens - 1
+        with_draft = self.draft_length.wants_draft(len(slots), prompts, horizon)
         if with_draft:
             draft_started = time.perf_counter()
             self.proposer.prefill(prompts, rows)

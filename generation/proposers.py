@@ -34,8 +34,8 @@ class Proposer(Protocol):
     def seconds_for(self, b: int, k: int) -> float:
         """Recent time to draft K tokens for batch bucket b."""
 
-    def prefill_seconds(self, lengths: list[int]) -> float:
-        """Recent time of a prefill of prompts of these lengths, to price it beforehand."""
+    def prefill_seconds(self, prompts: list[list[int]]) -> float:
+        """Recent time of a prefill of these prompts, to price it beforehand."""
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         """Bring admitted rows' draft state level with their prompts."""
@@ -68,7 +68,7 @@ class NoProposer:
     def seconds_for(self, b: int, k: int) -> float:
         return 0.0
 
-    def prefill_seconds(self, lengths: list[int]) -> float:
+    def prefill_seconds(self, prompts: list[list[int]]) -> float:
         return 0.0
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
@@ -112,9 +112,9 @@ class ModelProposer:
     def seconds_for(self, b: int, k: int) -> float:
         return self.runner.recent_seconds_for(b, 2) + (k - 1) * self.runner.recent_seconds_for(b, 1)
 
-    def prefill_seconds(self, lengths: list[int]) -> float:
-        """Recent time of a prefill of prompts of these lengths, for pricing it beforehand."""
-        return self.runner.recent_prefill_seconds(lengths) if lengths else 0.0
+    def prefill_seconds(self, prompts: list[list[int]]) -> float:
+        """Recent time of a prefill of these prompts, for pricing it beforehand."""
+        return self.runner.recent_prefill_seconds(prompts) if prompts else 0.0
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:
         started = time.perf_counter()
@@ -128,7 +128,7 @@ class ModelProposer:
     def catch_up_seconds(self, contexts: list[list[int] | None], seen: list[int]) -> float:
         """Extra seconds the next round pays to bring the draft level with the contexts."""
         live = [(ctx, done) for ctx, done in zip(contexts, seen, strict=True) if ctx]
-        missing = [self._prefill_length(ctx) for ctx, done in live if done == 0]
+        missing = [ctx[: self._prefill_length(ctx)] for ctx, done in live if done == 0]
         extra = self.prefill_seconds(missing)
         lag = max(len(ctx) - (done or self._prefill_length(ctx)) for ctx, done in live)
         widest, b = CATCH_UP_WIDTHS[-1], len(contexts)
@@ -256,7 +256,7 @@ class PromptLookupProposer:
     def seconds_for(self, b: int, k: int) -> float:
         return self.seconds / self.calls if self.calls else 0.0
 
-    def prefill_seconds(self, lengths: list[int]) -> float:
+    def prefill_seconds(self, prompts: list[list[int]]) -> float:
         return 0.0
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> None:

@@ -61,6 +61,14 @@ def compile_for_this_cpu(graph_module, example_inputs):
         return compile_fx(graph_module, example_inputs)
 
 
+def distinct_prompts(prompts: list[list[int]]) -> dict[tuple[int, ...], list[int]]:
+    """Each distinct prompt, in first-seen order, with its indices in `prompts`."""
+    indices: dict[tuple[int, ...], list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        indices.setdefault(tuple(prompt), []).append(i)
+    return indices
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -177,9 +185,10 @@ class ModelRunner:
             return t * self.recent_seconds_for(b, 1)
         return 1.0
 
-    def recent_prefill_seconds(self, lengths: list[int]) -> float:
-        """Recent time of prefilling prompts of these lengths (each its own forward)."""
-        buckets = [bucket(self.grid.prompt_lengths, n) for n in lengths]
+    def recent_prefill_seconds(self, prompts: list[list[int]]) -> float:
+        """Recent time of prefilling these prompts: one forward per distinct prompt, as
+        `prefill` runs them (a repeated prompt's copies cost next to nothing)."""
+        buckets = [bucket(self.grid.prompt_lengths, len(p)) for p in distinct_prompts(prompts)]
         return sum(self.recent_seconds.get(("prefill", 1, t, 0), 0.0) for t in buckets)
 
     def prefill(self, prompts: list[list[int]], rows: list[int]) -> torch.Tensor:
@@ -194,11 +203,8 @@ class ModelRunner:
         (samples_per_prompt's samples) runs once and its cache prefix is copied to the other
         rows: the values its own forward would write there.
         """
-        indices: dict[tuple[int, ...], list[int]] = {}  # prompt -> its indices in the call
-        for i, prompt in enumerate(prompts):
-            indices.setdefault(tuple(prompt), []).append(i)
         logits: list[torch.Tensor | None] = [None] * len(prompts)
-        for prompt, (first, *repeats) in indices.items():
+        for prompt, (first, *repeats) in distinct_prompts(prompts).items():
             logits[first] = self._prefill_one(list(prompt), rows[first])
             if repeats:
                 length = bucket(self.grid.prompt_lengths, len(prompt))

@@ -234,9 +234,23 @@ def test_a_compiled_draft_is_priced_without_its_compile_and_speculates(
 
     engine.target._forward = slow_target_forward
     engine.warmup()
-    assert engine.proposer.runner.recent_prefill_seconds([16]) < 0.3
+    assert engine.proposer.runner.recent_prefill_seconds([[1] * 16]) < 0.3
     engine.generate([SENTENCE], SamplingParams(max_new_tokens=16))
     assert sum(steps for k, steps in engine.stats.steps_per_k.items() if k) > 0
+
+
+def test_a_prefill_is_priced_per_distinct_prompt_as_it_runs(tiny_llama_dir, monkeypatch):
+    """K auto weighs a draft's prefill before admitting rows: samples_per_prompt's copies of
+    one prompt run one forward, so pricing each copy as a forward made speculation look dear."""
+    runner = engine_for(tiny_llama_dir).target
+    clock = iter([0, 2])  # the one prefill forward takes 2 seconds
+    monkeypatch.setattr(runner_module, "perf_counter", lambda: next(clock))
+    runner.prefill([[5, 6, 7]], [0])
+    monkeypatch.undo()
+    one, other = [5, 6, 7], [8, 9, 10]
+    assert runner.recent_prefill_seconds([one]) == 2
+    assert runner.recent_prefill_seconds([one, one, one]) == 2
+    assert runner.recent_prefill_seconds([one, other, one]) == 4
 
 
 def test_a_shape_is_priced_by_its_fastest_warm_call_then_by_a_moving_average(
