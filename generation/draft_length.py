@@ -217,8 +217,11 @@ class DraftLengthChooser:
     never assumed free. Leaving plain decoding costs the draft's catch-up, and admitting rows
     with a draft costs its prefill (`switch_seconds`): a one-off paid back only over the
     tokens the rows have left (`horizon`), so short completions at a batch where a round
-    barely beats a plain step stay plain. alpha is a geometric MLE over recent rounds whose
-    evidence ages every step, so a change of text shows quickly. A new call's prompts are
+    barely beats a plain step stay plain. alpha is a geometric estimate over recent rounds whose
+    evidence ages every step, so a change of text shows quickly, with a prior worth
+    `prior_trials` draft tokens: as plain steps age the evidence, alpha returns to the prior,
+    so one round that kept nothing is tried again within a few steps rather than read, as
+    its bare ratio would be, as a draft that never agrees. A new call's prompts are
     other text: what earlier calls measured carries over as a prior worth `carried_trials`
     draft tokens (`new_prompts`), not as hundreds of trials that a batch of 8 piles up and a
     batch-1 text at low acceptance would need ten rounds to outweigh.
@@ -256,6 +259,7 @@ class DraftLengthChooser:
         max_explore_every: int = 48,
         decay: float = 0.9,
         prior_alpha: float = 0.7,
+        prior_trials: float = 2.0,
         explore_budget: float = 0.02,  # tries cost <= 2 % of plain time: >= 0.97x plain
         carried_trials: float = 4.0,
         payoff_rounds: int = 4,
@@ -266,7 +270,8 @@ class DraftLengthChooser:
         self.base_interval, self.max_interval = explore_every, max_explore_every
         self.interval, self.since_explore = explore_every, 0
         self.plain_since_try = 0.0  # plain seconds since speculation last ran: the try budget
-        self.prior_alpha, self.explore_budget = prior_alpha, explore_budget
+        self.prior_alpha, self.prior_trials = prior_alpha, prior_trials
+        self.explore_budget = explore_budget
         self.carried_trials = carried_trials
         self.accepted, self.trials = 0.0, 0.0
         self.last_best: int | None = None
@@ -284,11 +289,10 @@ class DraftLengthChooser:
 
     @property
     def alpha(self) -> float:
-        """Ageing scales both counts alike, so it reweighs old evidence without moving alpha.
-        With no evidence yet, a prior typical of a same-family draft invites a first try."""
-        if self.trials < 1e-3:
-            return self.prior_alpha
-        return min(self.accepted / self.trials, 0.999)
+        """Kept over drafted tokens, with `prior_trials` of them at the prior (typical of a
+        same-family draft, inviting a first try). Ageing scales the evidence, not the prior."""
+        prior = self.prior_trials * self.prior_alpha
+        return min((self.accepted + prior) / (self.trials + self.prior_trials), 0.999)
 
     def new_prompts(self) -> None:
         """Keep alpha, but only as a prior: the next prompts' own rounds soon outweigh it."""

@@ -101,9 +101,9 @@ def draft_engine(tiny_llama_dir, draft_dir):
 def test_no_draft_prefill_while_plain_wins(tiny_llama_dir, tiny_llama_other_dir, monkeypatch):
     engine = draft_engine(tiny_llama_dir, tiny_llama_other_dir)
     policy = engine.draft_length
-    policy.chooser.accepted, policy.chooser.trials = 0.0, 1e6  # the draft is never right
-    # Sub-millisecond forwards of tiny models are noise on a busy host: price them fixed.
-    monkeypatch.setattr(policy, "_forward_prices", lambda width: (target_seconds, draft_seconds))
+    # Sub-millisecond forwards of tiny models are noise on a busy host: price them fixed, a
+    # draft step dearer than a target step, so no acceptance makes a round pay.
+    monkeypatch.setattr(policy, "_forward_prices", lambda width: (target_seconds, lambda k: 1.5 * k))
     engine.generate(varied_prompts(4), SamplingParams(max_new_tokens=8))
     assert engine.stats.draft_forwards == 0
     assert engine.stats.steps_per_k == {0: engine.stats.steps_per_k[0]}
@@ -172,11 +172,11 @@ def bursty(round_index: int) -> int:
 
 def test_a_round_that_does_not_pay_in_wall_time_turns_speculation_off_within_a_few_rounds():
     """The model expects 3.36 tokens for a 3.2 s round (1.05x plain); the rounds give 3
-    (0.94x). After `payoff_rounds` rounds the chooser decodes plain; the model alone would
-    speculate to the end."""
+    (0.94x). After `payoff_rounds` rounds the chooser decodes plain; the model alone (its
+    prior at the geometric fit, 0.8) would speculate to the end."""
     def chooser(payoff_rounds: int) -> DraftLengthChooser:
         chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
-                                     payoff_rounds=payoff_rounds)
+                                     payoff_rounds=payoff_rounds, prior_alpha=0.8)
         chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
         return chooser
 
@@ -187,6 +187,31 @@ def test_a_round_that_does_not_pay_in_wall_time_turns_speculation_off_within_a_f
     assert chosen[:4] == [4] * 4 and chosen[4:] == [0] * 36
     assert 0.8 < guarded.realized_speedup(1, 1.0) < 1.0  # the last rounds weigh most
     assert guarded.realized_speedup(8, 1.0) is None  # another batch bucket: not measured
+
+
+def test_a_first_round_that_keeps_nothing_does_not_end_a_draft_that_pays():
+    """An int8 target with its 0.5B draft: a draft step costs 0.42 of a plain step, so a K=2
+    round pays from alpha ~0.56. The first round keeps nothing, every later one keeps both
+    tokens (alpha ~0.8 pays 1.3x). Read as a bare ratio, 0 of 1 trial stayed 0 for ~60 steps
+    however the evidence aged; against the prior it ages back within a few plain steps."""
+    chooser = DraftLengthChooser([2])
+    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    chosen, rounds = [], 0
+    for _ in range(40):
+        k = chooser.choose(1, target_seconds, lambda k: 0.42 * k, 0.0, LONG)
+        chosen.append(k)
+        if k:
+            kept = 0 if rounds == 0 else 2
+            rounds += 1
+            chooser.observe(k, [kept])
+            chooser.observe_step(1, k, seconds=1.89, forward_seconds=1.89)
+            chooser.observe_round_payoff(1, 1.89, kept + 1)
+        else:
+            chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    assert chosen[0] == 2 and chosen[1] == 0
+    assert 2 in chosen[1:12]  # tried again within a few steps
+    assert chosen[12:].count(2) >= 26  # and speculating from then on
+    assert chooser.realized_speedup(1, 1.0) > 1.3
 
 
 def test_rounds_that_pay_are_never_vetoed():
