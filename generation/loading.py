@@ -34,7 +34,7 @@ from generation.quantize import (
 )
 from generation.runner import ModelRunner
 from schemas import EngineConfig, ModelSpec
-from schemas.engine import PACKAGED_PREFIX
+from schemas.engine import CATCH_UP_WIDTHS, PACKAGED_PREFIX
 
 WEIGHTS_HASH_FILE = "corpusgen-weights.sha256"
 
@@ -365,6 +365,13 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
         )
 
 
+# A compiled draft compiles the forwards it runs every drafted token: [b, 1] steps and a round's
+# first step, which feeds the tokens the last verify added ([b, 2]). Its prefills (once per
+# prompt) and wider catch-ups (after plain steps) run eager: on the Qwen 0.5B each shape took
+# ~38 s to compile, and the default grid has 88 of them.
+DRAFT_STEP_WIDTHS = frozenset({1, CATCH_UP_WIDTHS[0]})
+
+
 def assemble(config: EngineConfig):
     """What an Engine is built from: the loaded target, the device, the proposer (its draft
     model loaded, or quantized from the target, in its own runner) and the loaded draft."""
@@ -396,5 +403,5 @@ def assemble(config: EngineConfig):
         dtype = DTYPES[config.target.dtype] if weights == "int8" else torch.bfloat16
     compile_draft = config.compile if spec.compile is None else spec.compile
     runner = ModelRunner(model, grid, device, dtype, compile_draft, config.hpu_graphs,
-                         config.cuda_graphs)
+                         config.cuda_graphs, compiled_widths=DRAFT_STEP_WIDTHS)
     return target, device, ModelProposer(runner), draft

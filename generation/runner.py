@@ -47,6 +47,17 @@ def _raise_recompile_limit(grid: BucketGrid) -> None:
     )
 
 
+def compiled_for_widths(compiled, eager, widths: frozenset[int]):
+    """A forward that runs `compiled` for decode steps `widths` tokens wide and `eager` for
+    prefills and wider steps, so only the shapes run every token pay a compile."""
+
+    def forward(cache, **inputs) -> torch.Tensor:
+        every_token = inputs["attend_len"] > 0 and inputs["tokens"].shape[1] in widths
+        return (compiled if every_token else eager)(cache=cache, **inputs)
+
+    return forward
+
+
 def compile_for_this_cpu(graph_module, example_inputs):
     """Inductor's compile, with the vector width it picks for CPU code (from the CPU and
     ATEN_CPU_CAPABILITY) named in its config. Its on-disk graph cache keys on the config but
@@ -80,10 +91,12 @@ class ModelRunner:
         hpu_graphs: bool = True,
         cuda_graphs: bool = False,
         exact_rows: bool = False,
+        compiled_widths: frozenset[int] | None = None,
     ):
         """exact_rows: a target's runner, whose float linears must round a row the same in
         every decode call (packing.target_linears_for); a draft only proposes, and keeps the
-        fastest kernels."""
+        fastest kernels. compiled_widths: with compile_model, compile only decode forwards of
+        these token widths and run the other shapes eager (None: compile every shape)."""
         self.model, self.grid, self.device = model, grid, device
         self.cache = KVCache(model.config, grid.max_batch + 1, grid.max_cache, dtype, device)
         self.shapes: Counter[tuple] = Counter()
@@ -113,9 +126,9 @@ class ModelRunner:
         self.kernels = ("compiled:" if compiles else "") + kernels.linear_kernels(model)
         if compiles:
             _raise_recompile_limit(grid)
-            self._forward = torch.compile(
-                model.forward, dynamic=False, backend=self._counting_backend
-            )
+            compiled = torch.compile(model.forward, dynamic=False, backend=self._counting_backend)
+            self._forward = (compiled if compiled_widths is None
+                             else compiled_for_widths(compiled, model.forward, compiled_widths))
         elif hpu_graphed:
             self._forward = devices.wrap_in_hpu_graph(model).forward
         if capture:  # over the compiled forward too: inductor's kernels are capturable

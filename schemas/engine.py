@@ -106,7 +106,8 @@ class DraftSpec(StrictModel):
     )
     compile: bool | None = Field(
         None,
-        description="torch.compile(dynamic=False) the draft's forwards; None: as "
+        description="torch.compile(dynamic=False) the draft's per-token steps ([b, 1] and a "
+        "round's first [b, 2]; its prefills and catch-ups run eager); None: as "
         "EngineConfig.compile. On CPU an int8 draft gains from it where a packed bf16 target "
         "runs fastest eager (bench/README.md)",
     )

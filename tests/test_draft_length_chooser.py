@@ -103,7 +103,8 @@ def test_no_draft_prefill_while_plain_wins(tiny_llama_dir, tiny_llama_other_dir,
     policy = engine.draft_length
     # Sub-millisecond forwards of tiny models are noise on a busy host: price them fixed, a
     # draft step dearer than a target step, so no acceptance makes a round pay.
-    monkeypatch.setattr(policy, "_forward_prices", lambda width: (target_seconds, lambda k: 1.5 * k))
+    prices = (target_seconds, lambda k: 1.5 * k)
+    monkeypatch.setattr(policy, "_forward_prices", lambda width: prices)
     engine.generate(varied_prompts(4), SamplingParams(max_new_tokens=8))
     assert engine.stats.draft_forwards == 0
     assert engine.stats.steps_per_k == {0: engine.stats.steps_per_k[0]}
