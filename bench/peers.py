@@ -37,8 +37,10 @@ import torch
 from bench._common import decoding_arguments, machine, print_result, summed_acceptance
 from bench.qwen_pair import DRAFT, GRID, PROMPT_SETS, TARGET, build_engines
 from generation import Engine
-from generation.loading import assemble, packaged_gguf, resolve_model_dir
+from generation.loading import DRAFT_STEP_WIDTHS, assemble, packaged_gguf, resolve_model_dir
 from generation.prompts import chat_text_and_ids
+from generation.proposers import ModelProposer
+from generation.runner import ModelRunner
 from schemas import DraftSpec, EngineConfig, SamplingParams
 from schemas.engine import PACKAGED_PREFIX
 
@@ -92,11 +94,14 @@ def our_contender(engine: Engine, params: SamplingParams) -> Contender:
 OUR_TARGETS = ("bf16", "int4", "int4+int8", "int8")
 
 
-def our_engines(threads: int, batch_sizes: list[int], targets: list[str]) -> dict[str, Engine]:
+def our_engines(
+    threads: int, batch_sizes: list[int], targets: list[str], compiled_draft: bool = False
+) -> dict[str, Engine]:
     """Per target, plain and with the 0.5B int8 draft (K auto) over one load of its weights:
     packed bf16 as qwen_pair.py builds it; quantize: int4 and int4+int8 (the GGUF's 4-bit
     blocks, its other linears bf16 or int8 per channel); quantize: int8 (every linear int8 per
-    channel, activations int8 per row)."""
+    channel, activations int8 per row). With `compiled_draft`, quantized targets also run the
+    same draft weights compiled (draft.compile: its per-token steps)."""
     grid = GRID.model_copy(update={"batch_sizes": batch_sizes})
     draft = DraftSpec(kind="model", model=DRAFT.model_copy(update={"dtype": "bfloat16"}),
                       dtype="int8")
@@ -110,6 +115,14 @@ def our_engines(threads: int, batch_sizes: list[int], targets: list[str]) -> dic
                                                  target, device),
                 f"ours_{quantize}_draft_0.5b_int8_auto": Engine(with_draft, target, device,
                                                                 proposer, loaded_draft)}
+        if compiled_draft:
+            compiled = with_draft.model_copy(
+                update={"draft": draft.model_copy(update={"compile": True})})
+            runner = ModelRunner(proposer.runner.model, grid, device,
+                                 proposer.runner.cache.keys[0].dtype, True,
+                                 False, compiled_widths=DRAFT_STEP_WIDTHS)
+            pair[f"ours_{quantize}_draft_0.5b_int8_compiled_auto"] = Engine(
+                compiled, target, device, ModelProposer(runner), loaded_draft)
         for engine in pair.values():
             engine.warmup()
         engines |= pair
@@ -362,6 +375,8 @@ def main() -> None:
                              "all 8)")
     parser.add_argument("--quick", action="store_true", help="2 prompts per set, 16 tokens")
     parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--compiled-draft", action="store_true",
+                        help="also our quantized targets with the draft compiled (draft.compile)")
     parser.add_argument("--targets", nargs="+", choices=OUR_TARGETS, default=list(OUR_TARGETS),
                         help="our targets (each plain and with the draft); with an AVX2 CPU's "
                              "code bf16 weights are held in fp32: two fit in 23 GB")
@@ -378,7 +393,7 @@ def main() -> None:
     started = time.perf_counter()
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
-    engines = our_engines(args.threads, [1, OUR_BEST_BATCH], args.targets)
+    engines = our_engines(args.threads, [1, OUR_BEST_BATCH], args.targets, args.compiled_draft)
     tokenizer = next(iter(engines.values())).tokenizer
     in_one_call = args.prompts if args.quick else OUR_BEST_BATCH
     sets = {name: [Prompt(m, *chat_text_and_ids(tokenizer, m)) for m in prompts[:in_one_call]]

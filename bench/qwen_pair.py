@@ -27,7 +27,13 @@ from bench._common import (
     machine,
 )
 from generation import Engine
-from generation.loading import DTYPES, load_model, load_tokenizer, resolve_model_dir
+from generation.loading import (
+    DRAFT_STEP_WIDTHS,
+    DTYPES,
+    load_model,
+    load_tokenizer,
+    resolve_model_dir,
+)
 from generation.proposers import ModelProposer, PromptLookupProposer
 from generation.quantize import int8_weights
 from generation.runner import ModelRunner
@@ -138,7 +144,8 @@ def build_engines(
         proposer, loaded_draft = None, None
         if spec is not None and spec.kind == "model":
             model = draft_models[spec.dtype]
-            runner = ModelRunner(model, grid, device, DTYPES[dtype], bool(spec.compile), False)
+            runner = ModelRunner(model, grid, device, DTYPES[dtype], bool(spec.compile), False,
+                                 compiled_widths=DRAFT_STEP_WIDTHS)
             proposer, loaded_draft = ModelProposer(runner), draft
         elif spec is not None:
             proposer = PromptLookupProposer(spec.ngram_max, spec.ngram_min)
