@@ -92,6 +92,7 @@ def our_contender(engine: Engine, params: SamplingParams) -> Contender:
 
 
 OUR_TARGETS = ("bf16", "int4", "int4+int8", "int8")
+WARMUPS: dict[str, dict] = {}  # engine -> its warm-up's seconds and compiles (our_engines)
 
 
 def our_engines(
@@ -123,8 +124,11 @@ def our_engines(
                                  False, compiled_widths=DRAFT_STEP_WIDTHS)
             pair[f"ours_{quantize}_draft_0.5b_int8_compiled_auto"] = Engine(
                 compiled, target, device, ModelProposer(runner), loaded_draft)
-        for engine in pair.values():
+        for name, engine in pair.items():
+            started = time.perf_counter()
             engine.warmup()
+            WARMUPS[name] = {"seconds": round(time.perf_counter() - started, 1),
+                             "compiles": engine.stats.compiles}
         engines |= pair
     if "bf16" in targets:
         built = build_engines("bfloat16", threads, ["plain", "draft_0.5b_int8_auto"], grid)
@@ -453,6 +457,7 @@ def main() -> None:
         },
         "llama_details": {key: value for key, value in timings.details.items() if value},
         "our_steps": timings.steps,
+        "our_warmups": WARMUPS,
         "seconds": round(time.perf_counter() - started),
     }
     print_result(result, args.out)
