@@ -15,6 +15,7 @@ not fit in memory together on a 23 GB host, so vLLM runs in a second phase, once
 are freed, side by side with llama.cpp plain again: its ratios come from that phase. Prints
 one JSON object.
 Usage: python bench/peers.py [--quick] [--prompts 8] [--repeats 1] [--threads 1] [--out FILE]
+       [--targets bf16 int8 ...] [--compiled-draft] [--no-vllm] [--llama-bin DIR]
 """
 
 from __future__ import annotations
