@@ -38,10 +38,8 @@ import torch
 from bench._common import decoding_arguments, machine, print_result, summed_acceptance
 from bench.qwen_pair import DRAFT, GRID, PROMPT_SETS, TARGET, build_engines
 from generation import Engine
-from generation.loading import DRAFT_STEP_WIDTHS, assemble, packaged_gguf, resolve_model_dir
+from generation.loading import assemble, draft_proposer, packaged_gguf, resolve_model_dir
 from generation.prompts import chat_text_and_ids
-from generation.proposers import ModelProposer
-from generation.runner import ModelRunner
 from schemas import DraftSpec, EngineConfig, SamplingParams
 from schemas.engine import PACKAGED_PREFIX
 
@@ -93,21 +91,21 @@ def our_contender(engine: Engine, params: SamplingParams) -> Contender:
 
 
 OUR_TARGETS = ("bf16", "int4", "int4+int8", "int8")
-WARMUPS: dict[str, dict] = {}  # engine -> its warm-up's seconds and compiles (our_engines)
 
 
 def our_engines(
     threads: int, batch_sizes: list[int], targets: list[str], compiled_draft: bool = False
-) -> dict[str, Engine]:
+) -> tuple[dict[str, Engine], dict[str, dict]]:
     """Per target, plain and with the 0.5B int8 draft (K auto) over one load of its weights:
     packed bf16 as qwen_pair.py builds it; quantize: int4 and int4+int8 (the GGUF's 4-bit
     blocks, its other linears bf16 or int8 per channel); quantize: int8 (every linear int8 per
     channel, activations int8 per row). With `compiled_draft`, quantized targets also run the
-    same draft weights compiled (draft.compile: its per-token steps)."""
+    same draft weights compiled (draft.compile: its per-token steps). Also each quantized
+    engine's warm-up: its seconds and compiles."""
     grid = GRID.model_copy(update={"batch_sizes": batch_sizes})
     draft = DraftSpec(kind="model", model=DRAFT.model_copy(update={"dtype": "bfloat16"}),
                       dtype="int8")
-    engines = {}
+    engines, warmups = {}, {}
     for quantize in [t for t in targets if t != "bf16"]:  # first: 6 GB of fp32 pass
         spec = TARGET.model_copy(update={"dtype": "bfloat16", "quantize": quantize})
         with_draft = EngineConfig(target=spec, draft=draft, device="cpu", cpu_threads=threads,
@@ -120,22 +118,21 @@ def our_engines(
         if compiled_draft:
             compiled = with_draft.model_copy(
                 update={"draft": draft.model_copy(update={"compile": True})})
-            runner = ModelRunner(proposer.runner.model, grid, device,
-                                 proposer.runner.cache.keys[0].dtype, True,
-                                 False, compiled_widths=DRAFT_STEP_WIDTHS)
+            same_draft = draft_proposer(proposer.runner.model, grid, device,
+                                        proposer.runner.cache.keys[0].dtype, True)
             pair[f"ours_{quantize}_draft_0.5b_int8_compiled_auto"] = Engine(
-                compiled, target, device, ModelProposer(runner), loaded_draft)
+                compiled, target, device, same_draft, loaded_draft)
         for name, engine in pair.items():
             started = time.perf_counter()
             engine.warmup()
-            WARMUPS[name] = {"seconds": round(time.perf_counter() - started, 1),
+            warmups[name] = {"seconds": round(time.perf_counter() - started, 1),
                              "compiles": engine.stats.compiles}
         engines |= pair
     if "bf16" in targets:
         built = build_engines("bfloat16", threads, ["plain", "draft_0.5b_int8_auto"], grid)
         engines |= {"ours_bf16_plain": built["plain"], "ours_bf16_draft_0.5b_int8_auto":
                     built["draft_0.5b_int8_auto"]}
-    return engines
+    return engines, warmups
 
 
 # ---- llama.cpp -----------------------------------------------------------------------------
@@ -398,7 +395,8 @@ def main() -> None:
     started = time.perf_counter()
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
-    engines = our_engines(args.threads, [1, OUR_BEST_BATCH], args.targets, args.compiled_draft)
+    engines, warmups = our_engines(args.threads, [1, OUR_BEST_BATCH], args.targets,
+                                   args.compiled_draft)
     tokenizer = next(iter(engines.values())).tokenizer
     in_one_call = args.prompts if args.quick else OUR_BEST_BATCH
     sets = {name: [Prompt(m, *chat_text_and_ids(tokenizer, m)) for m in prompts[:in_one_call]]
@@ -458,7 +456,7 @@ def main() -> None:
         },
         "llama_details": {key: value for key, value in timings.details.items() if value},
         "our_steps": timings.steps,
-        "our_warmups": WARMUPS,
+        "our_warmups": warmups,
         "seconds": round(time.perf_counter() - started),
     }
     print_result(result, args.out)

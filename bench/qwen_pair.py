@@ -28,15 +28,14 @@ from bench._common import (
 )
 from generation import Engine
 from generation.loading import (
-    DRAFT_STEP_WIDTHS,
     DTYPES,
+    draft_proposer,
     load_model,
     load_tokenizer,
     resolve_model_dir,
 )
 from generation.proposers import ModelProposer, PromptLookupProposer
 from generation.quantize import int8_weights
-from generation.runner import ModelRunner
 from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec, SamplingParams
 
 TARGET = ModelSpec(path="packaged:qwen2.5-coder-1.5b-instruct")
@@ -144,9 +143,8 @@ def build_engines(
         proposer, loaded_draft = None, None
         if spec is not None and spec.kind == "model":
             model = draft_models[spec.dtype]
-            runner = ModelRunner(model, grid, device, DTYPES[dtype], bool(spec.compile), False,
-                                 compiled_widths=DRAFT_STEP_WIDTHS)
-            proposer, loaded_draft = ModelProposer(runner), draft
+            proposer = draft_proposer(model, grid, device, DTYPES[dtype], bool(spec.compile))
+            loaded_draft = draft
         elif spec is not None:
             proposer = PromptLookupProposer(spec.ngram_max, spec.ngram_min)
         engines[name] = Engine(config, engine_target, device, proposer, loaded_draft)

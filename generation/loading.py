@@ -33,7 +33,7 @@ from generation.quantize import (
     smoothing_factors,
 )
 from generation.runner import ModelRunner
-from schemas import EngineConfig, ModelSpec
+from schemas import BucketGrid, EngineConfig, ModelSpec
 from schemas.engine import CATCH_UP_WIDTHS, PACKAGED_PREFIX
 
 WEIGHTS_HASH_FILE = "corpusgen-weights.sha256"
@@ -372,6 +372,16 @@ def check_same_tokenizer(target: LoadedModel, draft: LoadedModel) -> None:
 DRAFT_STEP_WIDTHS = frozenset({1, CATCH_UP_WIDTHS[0]})
 
 
+def draft_proposer(
+    model: CausalLM, grid: BucketGrid, device: torch.device, dtype: torch.dtype,
+    compile_model: bool, hpu_graphs: bool = False, cuda_graphs: bool = False,
+) -> ModelProposer:
+    """A draft model in its own runner; with compile_model, only its per-token steps compile."""
+    runner = ModelRunner(model, grid, device, dtype, compile_model, hpu_graphs, cuda_graphs,
+                         compiled_widths=DRAFT_STEP_WIDTHS)
+    return ModelProposer(runner)
+
+
 def assemble(config: EngineConfig):
     """What an Engine is built from: the loaded target, the device, the proposer (its draft
     model loaded, or quantized from the target, in its own runner) and the loaded draft."""
@@ -402,6 +412,6 @@ def assemble(config: EngineConfig):
             model = quantized_copy(target.model, weights)
         dtype = DTYPES[config.target.dtype] if weights == "int8" else torch.bfloat16
     compile_draft = config.compile if spec.compile is None else spec.compile
-    runner = ModelRunner(model, grid, device, dtype, compile_draft, config.hpu_graphs,
-                         config.cuda_graphs, compiled_widths=DRAFT_STEP_WIDTHS)
-    return target, device, ModelProposer(runner), draft
+    proposer = draft_proposer(model, grid, device, dtype, compile_draft, config.hpu_graphs,
+                              config.cuda_graphs)
+    return target, device, proposer, draft
