@@ -132,15 +132,27 @@ def summed_acceptance(stats: list) -> dict:
     for s in stats:
         for k, count in s.steps_per_k.items():
             steps[k] = steps.get(k, 0) + count
+    seconds = {
+        phase: sum(getattr(s, f"{phase}_seconds") for s in stats)
+        for phase in ("wall", "prefill", "draft_prefill", "decode", "draft", "verify", "host")
+    }
     return {
         "acceptance_rate": rounded(accepted / proposed if proposed else None),
         "mean_accepted_length": rounded(1 + accepted / rounds if rounds else None),
         "steps_per_k": dict(sorted(steps.items())),
-        "seconds": {
-            phase: rounded(sum(getattr(s, f"{phase}_seconds") for s in stats))
-            for phase in ("wall", "prefill", "draft_prefill", "decode", "draft", "verify", "host")
+        "seconds": {phase: rounded(value) for phase, value in seconds.items()},
+        # what decides whether a round pays: a plain step, drafting one token (catch-ups after
+        # plain steps included), one verify
+        "ms_per": {
+            "plain_step": per_call_ms(seconds["decode"], steps.get(0, 0)),
+            "drafted_token": per_call_ms(seconds["draft"], sum(k * n for k, n in steps.items())),
+            "verify": per_call_ms(seconds["verify"], sum(n for k, n in steps.items() if k)),
         },
     }
+
+
+def per_call_ms(seconds: float, calls: int) -> float | None:
+    return round(1000 * seconds / calls, 1) if calls else None
 
 
 @dataclass

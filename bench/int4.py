@@ -4,9 +4,10 @@ step reads, int4 and int4+int8 against bf16 and fp32, on the Qwen 1.5B target an
 int4 is the model's GGUF 4-bit blocks run by torch's int4 kernel, its other linears bf16
 (packed by oneDNN where it runs, else computed in fp32); int4+int8 the same with those other
 linears int8 per channel (torch's int8 weight-only kernel); int8 every linear int8 per channel
-times activations int8 per row (fbgemm, exact integer sums); bf16 and fp32 are the GGUF's
-dequantized weights. One process, one thread; the runners take turns shape by shape within
-each repetition, so drift hits all of them; medians. `--contenders` picks some (with an
+times activations int8 per row (fbgemm, exact integer sums), the rest bf16 (int8-fp32: the
+rest fp32, `dtype: float32`); bf16 and fp32 are the GGUF's dequantized weights. One process,
+one thread; the runners take turns shape by shape within each repetition, so drift hits all
+of them; medians. `--contenders` picks some (with an
 AVX2 CPU's code every bf16 weight is held in fp32, and four 1.5B runners need ~27 GB).
 Shapes: [b, 1] decode steps at batch 1 and 8 (tok/s = b / step time) and the [b, 5]
 verifies a K=4 round costs. Also: the LM head the int4 model keeps (Q6_K / Q8_0 in the
@@ -115,7 +116,8 @@ def scale_rounding(shipped: dict[str, Int4Weights]) -> dict[str, float]:
     }
 
 
-CONTENDERS = ("fp32", "bf16", "int4", "int4+int8", "int8")
+CONTENDERS = ("fp32", "bf16", "int4", "int4+int8", "int8", "int8-fp32")
+FP32_REST = {"fp32", "int8-fp32"}  # other weights, activations and cache in fp32
 
 
 def int8_rounding(int8: dict[str, Int8Weights], model: nn.Module) -> dict[str, float]:
@@ -155,7 +157,9 @@ def runners(name: str, contenders: list[str]) -> tuple[dict[str, ModelRunner], d
     if "fp32" in contenders:
         models["fp32"] = copy.deepcopy(fp32)
     smoothing = smoothing_factors(fp32, loaded.tokenizer.encode(CALIBRATION_TEXT)) \
-        if "int8" in contenders else None
+        if {"int8", "int8-fp32"} & set(contenders) else None
+    if "int8-fp32" in contenders:  # quantize: int8 with dtype float32, as load_model builds it
+        models["int8-fp32"] = int8_weights(copy.deepcopy(fp32), ExactInt8Linear, smoothing)
     bf16 = fp32.to_dtype(torch.bfloat16)  # in place: the fp32 weights go
     if "bf16" in contenders:
         models["bf16"] = copy.deepcopy(bf16)
@@ -168,7 +172,7 @@ def runners(name: str, contenders: list[str]) -> tuple[dict[str, ModelRunner], d
         models["int4+int8"] = weight_only_linears(copy.deepcopy(models["int4"], shared), int8,
                                                   cpu)
     built = {kind: ModelRunner(models[kind], GRID, cpu,
-                               torch.float32 if kind == "fp32" else torch.bfloat16)
+                               torch.float32 if kind in FP32_REST else torch.bfloat16)
              for kind in contenders}
     if "int4" in built:
         weights["kept_lm_head_ms"] = kept_head_ms(built["int4"].model.lm_head, int8["lm_head"])
