@@ -1,7 +1,8 @@
 """What quantize: int8's roundings cost in logits, against the float model: int8 weights per
-output channel alone (their values in fp32 linears), and with int8 activations per row as
-ExactInt8Linear runs them, unsmoothed and smoothed as load_model smooths them (SmoothQuant,
-from one forward of CALIBRATION_TEXT).
+output channel alone (their values in fp32 linears, 8 bits and, as CPUs without VNNI round
+them, 7 bits and a sign), and with int8 activations per row as ExactInt8Linear runs them here
+(with CORPUSGEN_DISABLE_KERNELS=fbgemm-int8-whole: as without VNNI), unsmoothed and smoothed
+as load_model smooths them (SmoothQuant, from one forward of CALIBRATION_TEXT).
 
 Our fp32 model, one teacher-forced forward of a code prompt (this repository's
 generation/rejection.py, first 2,000 characters, in the chat template). Per variant:
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from bench._common import machine
+from generation.kernels import EIGHT_BIT_WEIGHTS, SEVEN_BIT_WEIGHTS
 from generation.loading import load_model
 from generation.quantize import (
     CALIBRATION_TEXT,
@@ -39,12 +41,13 @@ RESULTS = ROOT / "bench" / "results"
 MAX_POSITIONS = 1024  # the prompts are 523 (Qwen) and 587 (SmolLM2) tokens
 
 
-def int8_values_in_fp32(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy whose linears hold their int8 values in fp32 (the LM head untied)."""
+def int8_values_in_fp32(model: torch.nn.Module, limit: int) -> torch.nn.Module:
+    """A copy whose linears hold their int8 values (codes in [-limit, limit]) in fp32 (the LM
+    head untied)."""
     rounded = int8_weights(copy.deepcopy(model), lambda linear: linear)
     for module in rounded.modules():
         if isinstance(module, torch.nn.Linear):
-            codes, scales = per_channel_int8(module.weight.detach().float())
+            codes, scales = per_channel_int8(module.weight.detach().float(), limit=limit)
             module.weight = torch.nn.Parameter(codes.float() * scales[:, None])
     return rounded
 
@@ -71,7 +74,9 @@ def measure(name: str) -> dict:
     tokens = tokenizer.encode(prompt)
     smoothing = smoothing_factors(model, tokenizer.encode(CALIBRATION_TEXT))
     variants = {  # built one at a time: a copy of Qwen 1.5B in fp32 is 6 GB
-        "int8_weights": lambda: int8_values_in_fp32(model),
+        # the weights as quantize: int8 rounds them with VNNI, and without it
+        "int8_weights": lambda: int8_values_in_fp32(model, EIGHT_BIT_WEIGHTS),
+        "seven_bit_weights": lambda: int8_values_in_fp32(model, SEVEN_BIT_WEIGHTS),
         "int8_weights_and_rows": lambda: int8_weights(copy.deepcopy(model), ExactInt8Linear),
         "int8_weights_and_rows_smoothed":  # what quantize: int8 runs
             lambda: int8_weights(copy.deepcopy(model), ExactInt8Linear, smoothing),

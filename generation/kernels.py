@@ -34,8 +34,8 @@ DISABLE_ENV = "CORPUSGEN_DISABLE_KERNELS"
 ONEDNN_PACKED_BF16 = "onednn-packed-bf16"  # private op, prepacked once: measured faster
 FBGEMM_INT8 = "fbgemm-int8"  # dynamic W8A8 linears of int8 drafts
 INT_MM = "int-mm"  # exact int8 x int8 -> int32 GEMM of int8 targets
-FBGEMM_INT8_ROWS = "fbgemm-int8-rows"  # the same, in fbgemm: activations scaled per row
-FBGEMM_INT8_WHOLE = "fbgemm-int8-whole"  # fbgemm-int8-rows, each row's 8-bit codes in one row
+FBGEMM_INT8_ROWS = "fbgemm-int8-rows"  # the same, in fbgemm: activations per row, 7-bit weights
+FBGEMM_INT8_WHOLE = "fbgemm-int8-whole"  # fbgemm-int8-rows with 8-bit weights (int32 pair sums)
 INT4PACK_MM = "int4pack-mm"  # 4-bit group-wise weights x bf16 rows, each row alone
 INT8PACK_MM = "int8pack-mm"  # int8 per-channel weights x bf16 rows, each row alone
 ONEDNN_PACKED_FP32 = "onednn-packed-fp32"  # a target's fp32 linears: one rounding from 2 rows on
@@ -165,81 +165,75 @@ def fbgemm_int8() -> Probe:
 
 
 ROW_CODE_LIMIT = 126  # activation codes of an exact int8 linear: [-126, 126], a scale per row
-HALF_ZERO_POINT = 64  # each half code in [-63, 63] is stored as an unsigned 7-bit 1..127
-WHOLE_ZERO_POINT = 128  # a whole code in [-126, 126] is stored as an unsigned 2..254
+SEVEN_BIT_WEIGHTS = 64  # its weight codes where int16 pair sums must not saturate: [-64, 64]
+EIGHT_BIT_WEIGHTS = 127  # ... where the CPU sums u8 x s8 pairs in int32 (AVX-512 VNNI)
+CODE_ZERO_POINT = 128  # an activation code is stored as an unsigned 2..254
 
 
 def fbgemm_int8_rows(codes: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
-    """Rows of integer activation codes (fp32 holding [-126, 126]) times fbgemm-packed int8
-    weights, each row's sum exact in int32, then times the weights' scales: [rows, out] fp32.
+    """Rows of integer activation codes (fp32 holding [-126, 126]) times fbgemm-packed weight
+    codes (`weight_code_limit()`), each row's sum exact in int32, then times the weights'
+    scales: [rows, out] fp32.
 
     fbgemm takes activations as unsigned 8-bit numbers with a scale and zero point given per
     call (here 1 and a zero point: the codes themselves). Where it sums u8 x s8 products in
-    int32 directly (AVX-512 VNNI: `fbgemm_int8_whole`), the codes run whole. Its AVX2 code adds
-    pairs of products in int16 and saturates past 32767, so full 8-bit codes (255 x 127 x 2)
-    would not be summed exactly there; each code is then split into two halves of at most 63
-    (127 x 127 x 2 fits), both halves run as rows of one call (the weights are read once, the
-    arithmetic doubles), and their results are added. Integer sums make a row's result
-    independent of the call's other rows."""
-    if fbgemm_int8_whole().available:
-        return _fbgemm_codes(codes, WHOLE_ZERO_POINT, packed)
-    return fbgemm_int8_halves(codes, packed)
+    int32 (AVX-512 VNNI: `fbgemm_int8_whole`) the weights keep 8 bits. Its AVX2 code adds pairs
+    of products in int16 and saturates past 32767, which 8-bit weights reach (254 x 127 x 2);
+    there the weights keep 7 bits and a sign (254 x 64 x 2 = 32512 fits). Either way the sums
+    are integers, so a row's result is independent of the call's other rows."""
+    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
+        codes, 1.0, CODE_ZERO_POINT, packed)
 
 
-def fbgemm_int8_halves(codes: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
-    """fbgemm_int8_rows on any fbgemm CPU: each code as two 7-bit halves."""
-    high = torch.floor(codes * 0.5)
-    out = _fbgemm_codes(torch.cat([high, codes - high]), HALF_ZERO_POINT, packed)
-    return out[: len(codes)] + out[len(codes):]
+def weight_code_limit() -> int:
+    """The widest weight codes fbgemm sums exactly with whole activation codes on this CPU."""
+    return EIGHT_BIT_WEIGHTS if fbgemm_int8_whole().available else SEVEN_BIT_WEIGHTS
 
 
 def fbgemm_int8_rows_kernel() -> str:
-    """What fbgemm_int8_rows runs on this CPU: whole codes where they sum exactly, else halves."""
+    """What fbgemm_int8_rows runs here: 8-bit weights where int32 sums allow, else 7-bit."""
     return FBGEMM_INT8_WHOLE if fbgemm_int8_whole().available else FBGEMM_INT8_ROWS
 
 
-def _fbgemm_codes(
-    codes: torch.Tensor, zero_point: int, packed: torch.ScriptObject
-) -> torch.Tensor:
-    return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
-        codes, 1.0, zero_point, packed)
-
-
-def _sums_exactly(product: Callable[[torch.Tensor, torch.ScriptObject], torch.Tensor]) -> bool:
-    """`product` of codes and packed weights equals the integer product at its extremes
-    (codes +-126 times weights +-127, where int16 pair sums saturate) and on random codes,
-    and a row alone equals the same row among others."""
+def _sums_exactly(
+    product: Callable[[torch.Tensor, torch.ScriptObject], torch.Tensor],
+    limit: int,
+) -> bool:
+    """`product` of codes and packed weights in [-limit, limit] equals the integer product at
+    its extremes (codes +-126 times weights +-limit, where int16 pair sums come closest to
+    saturating) and on random codes, in calls of a few rows and of a prefill's many, and a row
+    alone equals the same row among others."""
     generator = torch.Generator().manual_seed(0)
-    weights = torch.randint(-127, 128, (32, 64), generator=generator, dtype=torch.int8)
-    weights[0], weights[1] = 127, -127
+    weights = torch.randint(-limit, limit + 1, (32, 64), generator=generator, dtype=torch.int8)
+    weights[0], weights[1] = limit, -limit
     scales = torch.rand(32, generator=generator) / 100 + 1e-3
-    codes = torch.randint(-126, 127, (6, 64), generator=generator).float()
+    codes = torch.randint(-126, 127, (48, 64), generator=generator).float()
     codes[0], codes[1] = ROW_CODE_LIMIT, -ROW_CODE_LIMIT
     packed = fbgemm_prepack(weights, scales, None)
     out = product(codes, packed)
     integer = codes.double() @ weights.double().t() * scales.double()
     close = torch.allclose(out.double(), integer, rtol=1e-6, atol=1e-6)
-    return close and torch.equal(product(codes[5:], packed), out[5:])
+    return close and all(torch.equal(product(codes[:rows], packed), out[:rows])
+                         for rows in (1, 2, 6))
 
 
 @_probe
 def fbgemm_int8_rows_exact() -> Probe:
-    """fbgemm_int8_halves sums exactly (the kernel of int8 targets wherever fbgemm runs)."""
+    """fbgemm_int8_rows sums 7-bit weights exactly (int8 targets' kernel wherever fbgemm runs)."""
     return _reported(FBGEMM_INT8_ROWS, _tried(
-        FBGEMM_INT8_ROWS, lambda: _sums_exactly(fbgemm_int8_halves)))
+        FBGEMM_INT8_ROWS, lambda: _sums_exactly(fbgemm_int8_rows, SEVEN_BIT_WEIGHTS)))
 
 
 @_probe
 def fbgemm_int8_whole() -> Probe:
-    """Whole 8-bit codes, one row each, sum exactly (half fbgemm_int8_halves' arithmetic)."""
+    """fbgemm_int8_rows sums 8-bit weights exactly too (int32 pair sums: AVX-512 VNNI)."""
 
     def attempt() -> bool:
         if not fbgemm_int8_rows_exact().available:
             raise RuntimeError(f"{FBGEMM_INT8_ROWS} is unavailable")
-        if not _sums_exactly(lambda codes, packed: _fbgemm_codes(codes, WHOLE_ZERO_POINT,
-                                                                 packed)):
+        if not _sums_exactly(fbgemm_int8_rows, EIGHT_BIT_WEIGHTS):
             raise RuntimeError("fbgemm adds pairs of u8 x s8 products in int16 on this CPU (no "
-                               "AVX-512 VNNI) and saturates; each code runs as two 7-bit halves")
+                               "AVX-512 VNNI) and saturates 8-bit weights; they keep 7 bits")
         return True
 
     return _reported(FBGEMM_INT8_WHOLE, _tried(FBGEMM_INT8_WHOLE, attempt))

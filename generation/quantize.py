@@ -19,13 +19,13 @@ from generation.phase import in_prefill
 
 
 def per_channel_int8(
-    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32
+    weight: torch.Tensor, scale_dtype: torch.dtype = torch.float32, limit: int = 127
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric int8 per output channel: (int8 weights, fp32 scales). Each scale is first
-    made representable in `scale_dtype` and the weights rounded against it, for a kernel that
-    multiplies scales of that dtype."""
-    scales = (weight.abs().amax(dim=1).clamp_min(1e-8) / 127.0).to(scale_dtype).float()
-    return (weight / scales[:, None]).round().clamp(-128, 127).to(torch.int8), scales
+    """Symmetric int8 per output channel: (int8 weights in [-limit, limit], fp32 scales). Each
+    scale is first made representable in `scale_dtype` and the weights rounded against it, for
+    a kernel that multiplies scales of that dtype."""
+    scales = (weight.abs().amax(dim=1).clamp_min(1e-8) / limit).to(scale_dtype).float()
+    return (weight / scales[:, None]).round().clamp(-limit, limit).to(torch.int8), scales
 
 
 # fbgemm's packed weights are a TorchScript object, which torch.compile cannot put in a graph:
@@ -125,12 +125,15 @@ class ExactInt8Linear(FbgemmPacked):
 
     A row's result depends on that row alone, never on its neighbours or the call's row count,
     so a [b, K+1] verify reproduces the [b, 1] step: what speculation and seeded sampling need
-    of a target. Two kernels sum exactly. fbgemm's (`kernels.fbgemm_int8_rows`, AVX2 and up)
-    runs every call, prefills included: with AVX2 code it reads 8960 x 1536 at 1 row in 0.59 ms
-    (torch's int8 weight-only kernel: 1.41 ms) and at 128 rows takes 62 ms, where dequantizing
-    to fp32 for a float GEMM takes 109 ms and to bf16 271 ms. Where the CPU sums u8 x s8 in
-    int32 (AVX-512 VNNI) its codes run whole instead of as two 7-bit halves: 5 rows of that
-    shape in 0.38 ms instead of 0.82, 64 rows in 5.1 instead of 11.0 (an AMD EPYC, family 25).
+    of a target. Where fbgemm's AVX2 code adds pairs of u8 x s8 products in int16 (no AVX-512
+    VNNI) the weights keep 7 bits and a sign (`kernels.weight_code_limit()`), so whole 8-bit
+    activation codes never saturate: one pass over the rows, where 8-bit weights needed each
+    code split into two 7-bit halves, twice the rows (a [1, 3] verify of Qwen 1.5B's linears
+    cost 1.3x a [1, 1] step, a prefill twice the arithmetic). The 7th bit costs precision
+    (`bench/int8_precision.py`: KL to the float model 0.016 against 0.012 for Qwen 1.5B, 0.037
+    against 0.017 for SmolLM2), so VNNI CPUs keep 8 bits. Two kernels sum exactly. fbgemm's
+    (`kernels.fbgemm_int8_rows`, AVX2 and up) runs every call, prefills included: with AVX2
+    code it reads 8960 x 1536 at 1 row in 0.59 ms (torch's int8 weight-only kernel: 1.41 ms).
     Where fbgemm is missing, torch._int_mm (1.23 ms vs 1.60 ms bf16 at 1 row on the AVX-512
     Xeon; it saturates with AVX2 code) runs decode steps, and prefills (`prefilling()`, 212 vs
     70 ms at 2048 rows) dequantize to the compute dtype: as batch-invariant as that dtype's
@@ -148,13 +151,15 @@ class ExactInt8Linear(FbgemmPacked):
             weight = weight * smoothing.to(weight.device)
         self.register_buffer(
             "inverse_smoothing", None if smoothing is None else 1.0 / smoothing.float())
-        quantized, scales = per_channel_int8(weight)
-        self.register_buffer("scales", scales)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().float())
         self.packed = None
         on_cpu = linear.weight.device.type == "cpu"
-        if on_cpu and kernels.fbgemm_int8_rows_exact().available:
+        fbgemm = on_cpu and kernels.fbgemm_int8_rows_exact().available
+        self.weight_limit = kernels.weight_code_limit() if fbgemm else kernels.EIGHT_BIT_WEIGHTS
+        quantized, scales = per_channel_int8(weight, limit=self.weight_limit)
+        self.register_buffer("scales", scales)
+        if fbgemm:
             self.packed = kernels.fbgemm_prepack(quantized, scales, None)
             self._register_packed()
             self.weight_t = None  # fbgemm's packed copy is all it multiplies
@@ -170,7 +175,10 @@ class ExactInt8Linear(FbgemmPacked):
 
     @property
     def kernel(self) -> str:
-        return kernels.fbgemm_int8_rows_kernel() if self.packed is not None else kernels.INT_MM
+        if self.packed is None:
+            return kernels.INT_MM
+        return kernels.FBGEMM_INT8_WHOLE if self.weight_limit == kernels.EIGHT_BIT_WEIGHTS \
+            else kernels.FBGEMM_INT8_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inverse_smoothing is not None:

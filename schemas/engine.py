@@ -43,11 +43,12 @@ class ModelSpec(StrictModel):
     dtype: DType = Field("float32", description="weights and activations")
     quantize: Literal["int8", "int4", "int4+int8"] | None = Field(
         None,
-        description="int8: linears as int8 weights x per-row int8 activations, an exact integer "
-        "GEMM (fbgemm's, else torch._int_mm), so results stay batch-invariant (fit for a "
-        "target); activations smoothed per channel (SmoothQuant, from one forward of a fixed "
-        "text at load); the fastest decode with AVX2 code and on an AVX-512 VNNI EPYC; dtype "
-        "is the rest's. int4: "
+        description="int8: linears as int8 weights per output channel (7 bits and a sign on "
+        "CPUs without AVX-512 VNNI, where 8 would saturate fbgemm's int16 sums) x per-row int8 "
+        "activations, an exact integer GEMM (fbgemm's, else torch._int_mm), so results stay "
+        "batch-invariant (fit for a target); activations smoothed per channel (SmoothQuant, "
+        "from one forward of a fixed text at load); the fastest decode with AVX2 code and on "
+        "an AVX-512 VNNI EPYC; dtype is the rest's. int4: "
         "4-bit weights (groups of 32) with bf16 activations (needs dtype bfloat16), each row "
         "computed alone, batch-invariant too; a GGUF keeps its own 4-bit blocks (Q4_0, Q4_1, "
         "Q4_K) and its other linears in bf16, a float checkpoint is rounded to 4 bits. "

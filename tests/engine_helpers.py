@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 from generation import Engine, kernels
 from schemas import BucketGrid, DraftSpec, EngineConfig, ModelSpec
 
-# An int8 target needs an exact int8 GEMM: fbgemm's (split into 7-bit halves, AVX2 and up)
+# An int8 target needs an exact int8 GEMM: fbgemm's (AVX2 and up; 7-bit weights without VNNI)
 # or torch._int_mm (oneDNN's AVX2 path saturates int16 pair sums, so its probe refuses there).
 needs_exact_int8 = pytest.mark.skipif(
     not (kernels.fbgemm_int8_rows_exact().available or kernels.int_mm().available),

@@ -63,8 +63,8 @@ def test_the_cpu_is_named_by_model_and_isa():
 
 
 def exact_int8_kernel() -> str:
-    """The kernel an int8 target runs here: fbgemm's (whole codes where they sum exactly),
-    else torch._int_mm."""
+    """The kernel an int8 target runs here: fbgemm's (8-bit weights where their sums are
+    int32), else torch._int_mm."""
     if not kernels.fbgemm_int8_rows_exact().available:
         return kernels.INT_MM
     return kernels.fbgemm_int8_rows_kernel()
@@ -160,7 +160,7 @@ def test_with_each_library_capped_at_avx2_the_engine_falls_back_and_stays_exact(
     assert result["probes"][kernels.ONEDNN_PACKED_FP32] == "probe passed"
     assert result["kernels"]["plain"] == f"target={kernels.ONEDNN_PACKED_FP32}"
     assert result["probes"][kernels.FBGEMM_INT8_ROWS] == "probe passed"  # fbgemm's AVX2 code
-    assert "saturates" in result["probes"][kernels.FBGEMM_INT8_WHOLE]  # no VNNI: halves
+    assert "saturates" in result["probes"][kernels.FBGEMM_INT8_WHOLE]  # no VNNI: 7-bit weights
     assert result["kernels"]["int8-target"] == f"target={kernels.FBGEMM_INT8_ROWS}"
     assert all(result["identical"].values()), result["identical"]
     assert "kernel onednn-packed-bf16 unavailable, using the fallback" in log
@@ -187,8 +187,8 @@ def test_on_an_emulated_avx2_only_cpu_the_bf16_engine_falls_back_and_stays_exact
     assert result["probes"][kernels.INT4PACK_MM] == "probe passed"  # its AVX2 path
     assert result["probes"][kernels.INT8PACK_MM] == "probe passed"  # its AVX2 path
     assert result["kernels"]["int4-target"] == "target=int4pack-mm+onednn-packed-fp32"
-    assert result["probes"][kernels.FBGEMM_INT8_ROWS] == "probe passed"  # the 7-bit halves
-    assert "saturates" in result["probes"][kernels.FBGEMM_INT8_WHOLE]  # no VNNI: halves
+    assert result["probes"][kernels.FBGEMM_INT8_ROWS] == "probe passed"  # 7-bit weights
+    assert "saturates" in result["probes"][kernels.FBGEMM_INT8_WHOLE]  # no VNNI: 7-bit weights
     assert result["kernels"]["int8-target"] == f"target={kernels.FBGEMM_INT8_ROWS}"
     assert all(result["identical"].values()), result["identical"]
     assert "kernel onednn-packed-bf16 unavailable, using the fallback" in log

@@ -303,6 +303,8 @@ EXACT_INT8_KERNELS = {  # each exact kernel: its probe, and the fast paths off s
                                [kernels.FBGEMM_INT8_WHOLE, kernels.INT_MM]),
     kernels.INT_MM: (kernels.int_mm, [kernels.FBGEMM_INT8_ROWS]),
 }
+FBGEMM_WEIGHT_LIMITS = {kernels.FBGEMM_INT8_WHOLE: kernels.EIGHT_BIT_WEIGHTS,
+                        kernels.FBGEMM_INT8_ROWS: kernels.SEVEN_BIT_WEIGHTS}
 
 
 @pytest.mark.parametrize("kernel", EXACT_INT8_KERNELS)
@@ -344,21 +346,40 @@ def test_smoothing_moves_an_outlier_channels_rounding_into_the_weights():
     assert errors[1] < errors[0] / 2, errors
 
 
-@pytest.mark.parametrize("kernel", [kernels.FBGEMM_INT8_WHOLE, kernels.FBGEMM_INT8_ROWS])
-def test_fbgemm_int8_rows_sums_exactly_where_int16_pairs_would_saturate(kernel):
-    """Codes at +-126 times weights at +-127: a pair of full 8-bit products (255 x 127 x 2)
-    passes int16's 32767, which fbgemm's AVX2 code saturates; the two 7-bit halves do not, and
-    whole codes run only where the CPU sums them in int32."""
+@pytest.mark.parametrize("kernel", FBGEMM_WEIGHT_LIMITS)
+def test_fbgemm_int8_rows_sums_exactly_at_the_weights_and_codes_extremes(kernel):
+    """Codes at +-126 times the widest weights each kernel stores: fbgemm's AVX2 code adds
+    pairs of u8 x s8 products in int16, where 7-bit weights fit (254 x 64 x 2 = 32512) and
+    8-bit ones would not (254 x 127 x 2), so those run only where the sums are int32 (VNNI).
+    The emulated AVX2 runs of tests/test_portability.py probe the same extremes there."""
     probe, others = EXACT_INT8_KERNELS[kernel]
+    limit = FBGEMM_WEIGHT_LIMITS[kernel]
     with kernels.disabled(*others):
         if not probe().available:
             pytest.skip(f"{kernel}: {probe().reason}")
-        weights = torch.full((16, 64), 127, dtype=torch.int8)
-        weights[8:] = -127
+        weights = torch.full((16, 64), limit, dtype=torch.int8)
+        weights[8:] = -limit
         scales = torch.full((16,), 0.5)
         codes = torch.tensor([[126.0] * 64, [-126.0] * 64, [125.0, -126.0] * 32])
         out = kernels.fbgemm_int8_rows(codes, kernels.fbgemm_prepack(weights, scales, None))
     assert torch.equal(out.double(), codes.double() @ weights.double().t() * 0.5)
+
+
+@pytest.mark.parametrize("kernel", FBGEMM_WEIGHT_LIMITS)
+def test_an_exact_int8_linear_stores_weights_its_kernel_sums_without_saturating(kernel):
+    """Every weight code within the kernel's limit, each output channel's largest at it (the
+    scale uses every step)."""
+    probe, others = EXACT_INT8_KERNELS[kernel]
+    limit = FBGEMM_WEIGHT_LIMITS[kernel]
+    with kernels.disabled(*others):
+        if not probe().available:
+            pytest.skip(f"{kernel}: {probe().reason}")
+        torch.manual_seed(0)
+        exact = ExactInt8Linear(torch.nn.Linear(64, 48))
+    assert exact.kernel == kernel
+    stored, _ = torch.ops.quantized.linear_unpack(exact.packed)
+    codes = stored.int_repr().abs()
+    assert torch.equal(codes.amax(1), torch.full((48,), limit, dtype=codes.dtype))
 
 
 def test_exact_int8_rows_padded_for_cudas_kernel_keep_their_results(monkeypatch):
