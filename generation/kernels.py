@@ -168,11 +168,15 @@ ROW_CODE_LIMIT = 126  # activation codes of an exact int8 linear: [-126, 126], a
 SEVEN_BIT_WEIGHTS = 64  # its weight codes where int16 pair sums must not saturate: [-64, 64]
 EIGHT_BIT_WEIGHTS = 127  # ... where the CPU sums u8 x s8 pairs in int32 (AVX-512 VNNI)
 CODE_ZERO_POINT = 128  # an activation code is stored as an unsigned 2..254
+WEIGHT_CODE_LIMITS = {  # each exact int8 kernel: the widest weight codes it sums exactly
+    FBGEMM_INT8_WHOLE: EIGHT_BIT_WEIGHTS, FBGEMM_INT8_ROWS: SEVEN_BIT_WEIGHTS,
+    INT_MM: EIGHT_BIT_WEIGHTS,
+}
 
 
 def fbgemm_int8_rows(codes: torch.Tensor, packed: torch.ScriptObject) -> torch.Tensor:
     """Rows of integer activation codes (fp32 holding [-126, 126]) times fbgemm-packed weight
-    codes (`weight_code_limit()`), each row's sum exact in int32, then times the weights'
+    codes (`WEIGHT_CODE_LIMITS`), each row's sum exact in int32, then times the weights'
     scales: [rows, out] fp32.
 
     fbgemm takes activations as unsigned 8-bit numbers with a scale and zero point given per
@@ -183,11 +187,6 @@ def fbgemm_int8_rows(codes: torch.Tensor, packed: torch.ScriptObject) -> torch.T
     are integers, so a row's result is independent of the call's other rows."""
     return torch.ops.quantized.linear_with_input_q_dq_qweight_dq_output_fp32(
         codes, 1.0, CODE_ZERO_POINT, packed)
-
-
-def weight_code_limit() -> int:
-    """The widest weight codes fbgemm sums exactly with whole activation codes on this CPU."""
-    return EIGHT_BIT_WEIGHTS if fbgemm_int8_whole().available else SEVEN_BIT_WEIGHTS
 
 
 def fbgemm_int8_rows_kernel() -> str:

@@ -126,7 +126,7 @@ class ExactInt8Linear(FbgemmPacked):
     A row's result depends on that row alone, never on its neighbours or the call's row count,
     so a [b, K+1] verify reproduces the [b, 1] step: what speculation and seeded sampling need
     of a target. Where fbgemm's AVX2 code adds pairs of u8 x s8 products in int16 (no AVX-512
-    VNNI) the weights keep 7 bits and a sign (`kernels.weight_code_limit()`), so whole 8-bit
+    VNNI) the weights keep 7 bits and a sign (`kernels.WEIGHT_CODE_LIMITS`), so whole 8-bit
     activation codes never saturate: one pass over the rows, where 8-bit weights needed each
     code split into two 7-bit halves, twice the rows (a [1, 3] verify of Qwen 1.5B's linears
     cost 1.3x a [1, 1] step, a prefill twice the arithmetic). The 7th bit costs precision
@@ -156,8 +156,8 @@ class ExactInt8Linear(FbgemmPacked):
         self.packed = None
         on_cpu = linear.weight.device.type == "cpu"
         fbgemm = on_cpu and kernels.fbgemm_int8_rows_exact().available
-        self.weight_limit = kernels.weight_code_limit() if fbgemm else kernels.EIGHT_BIT_WEIGHTS
-        quantized, scales = per_channel_int8(weight, limit=self.weight_limit)
+        self._kernel = kernels.fbgemm_int8_rows_kernel() if fbgemm else kernels.INT_MM
+        quantized, scales = per_channel_int8(weight, limit=kernels.WEIGHT_CODE_LIMITS[self._kernel])
         self.register_buffer("scales", scales)
         if fbgemm:
             self.packed = kernels.fbgemm_prepack(quantized, scales, None)
@@ -175,10 +175,7 @@ class ExactInt8Linear(FbgemmPacked):
 
     @property
     def kernel(self) -> str:
-        if self.packed is None:
-            return kernels.INT_MM
-        return kernels.FBGEMM_INT8_WHOLE if self.weight_limit == kernels.EIGHT_BIT_WEIGHTS \
-            else kernels.FBGEMM_INT8_ROWS
+        return self._kernel
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.inverse_smoothing is not None:
