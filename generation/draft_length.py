@@ -73,9 +73,11 @@ class DraftLengthPolicy(Protocol):
     def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
         """A step at batch bucket `width` took `seconds`, `forward_seconds` of it in forwards."""
 
-    def observe_payoff(self, width: int, k: int, seconds: float, tokens_per_row: float) -> None:
+    def observe_payoff(
+        self, width: int, k: int, seconds: float, switch_seconds: float, tokens_per_row: float
+    ) -> None:
         """A step at batch bucket `width` gave its live rows `tokens_per_row` tokens each in
-        `seconds` (a K round's catch-up of a lagging draft left out)."""
+        `seconds`, a K round's catch-up of a lagging draft included (priced `switch_seconds`)."""
 
 
 class PlainDecoding:
@@ -105,7 +107,9 @@ class PlainDecoding:
     def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
         pass
 
-    def observe_payoff(self, width: int, k: int, seconds: float, tokens_per_row: float) -> None:
+    def observe_payoff(
+        self, width: int, k: int, seconds: float, switch_seconds: float, tokens_per_row: float
+    ) -> None:
         pass
 
 
@@ -189,10 +193,11 @@ class AutoDraftLength:
         return RoundPrices(onward, self.chooser.row_token_seconds / live, rows.left)
 
     def round_stopper(self, rows: StepRows) -> DraftStopper | None:
-        if self.stopper is not None:
-            self.stopper.start_round(self.round_prices(rows))
-        self._round_stopper = self.stopper
-        return self.stopper
+        """None for a try: it drafts the K its loss was priced at."""
+        self._round_stopper = None if self.chooser.trying else self.stopper
+        if self._round_stopper is not None:
+            self._round_stopper.start_round(self.round_prices(rows))
+        return self._round_stopper
 
     def observe_round(self, k: int, accepted: list[int | None]) -> None:
         self.chooser.observe(k, [count for count in accepted if count is not None])
@@ -202,9 +207,17 @@ class AutoDraftLength:
     def observe_step(self, width: int, k: int, seconds: float, forward_seconds: float) -> None:
         self.chooser.observe_step(width, k, seconds, forward_seconds)
 
-    def observe_payoff(self, width: int, k: int, seconds: float, tokens_per_row: float) -> None:
-        if k:
-            self.chooser.observe_round_payoff(width, seconds, tokens_per_row)
+    def observe_payoff(
+        self, width: int, k: int, seconds: float, switch_seconds: float, tokens_per_row: float
+    ) -> None:
+        """Rounds' payoff leaves a catch-up out (a one-off, not what rounds earn); a try is
+        charged all it took."""
+        if not k:
+            return
+        self.chooser.observe_round_payoff(width, max(seconds - switch_seconds, 0.0),
+                                          tokens_per_row)
+        if self.chooser.trying:
+            self.chooser.settle_try(seconds, tokens_per_row)
 
 
 class DraftLengthChooser:
@@ -229,9 +242,13 @@ class DraftLengthChooser:
     fresh; a plain step while speculation wins, keeping its timing fresh); each try that
     confirms the choice doubles the interval, up to `max_explore_every`. A try of speculation
     waits until what it is expected to lose (its catch-up, and its round's cost over the plain
-    steps its tokens replace) is at most `explore_budget` of the plain time spent since the
-    last one: exploring may never make plain-winning runs noticeably slower, yet a draft that
-    would pay is found within a bounded amount of plain decoding. Where rounds already ran at
+    steps its tokens replace) fits its credit: `explore_budget` of every plain step's time,
+    less what earlier tries lost. A try is charged what it lost in wall time, not what it was
+    priced at (a draft's first pass over a long prompt can cost more than warm-up said), and
+    drafts exactly the K it was priced for, never drafting on under the stopper. So the tries
+    of a run whose draft never pays cost at most `explore_budget` of its plain time, plus one
+    try's mispricing, yet a draft that would pay is found within a bounded amount of plain
+    decoding. Where rounds already ran at
     the batch bucket, a try's tokens are priced at what they realized, not at what the model
     expects: a model that overrates the draft would otherwise call every try free.
     With a DraftStopper (model drafts, K auto) a chosen K > 0 only says "speculate": the round
@@ -260,7 +277,7 @@ class DraftLengthChooser:
         decay: float = 0.9,
         prior_alpha: float = 0.7,
         prior_trials: float = 2.0,
-        explore_budget: float = 0.02,  # tries cost <= 2 % of plain time: >= 0.97x plain
+        explore_budget: float = 0.01,  # tries lose <= 1 % of plain time (+ one try)
         carried_trials: float = 4.0,
         payoff_rounds: int = 4,
         payoff_decay: float = 0.8,
@@ -269,7 +286,9 @@ class DraftLengthChooser:
         self.grid_ks, self.decay = grid_ks, decay
         self.base_interval, self.max_interval = explore_every, max_explore_every
         self.interval, self.since_explore = explore_every, 0
-        self.plain_since_try = 0.0  # plain seconds since speculation last ran: the try budget
+        self.try_credit = 0.0  # what tries may still lose: budget x plain time, less losses
+        self.trying = False  # the step just chosen is a try of speculation while plain wins
+        self._try_prices = (0.0, 0.0)  # that try's plain step price and its priced loss
         self.prior_alpha, self.prior_trials = prior_alpha, prior_trials
         self.explore_budget = explore_budget
         self.carried_trials = carried_trials
@@ -398,12 +417,25 @@ class DraftLengthChooser:
             if realized is not None:  # rounds ran here: a try earns at most what they earned
                 tokens = min(tokens, realized * cost / plain)
             loss = switch_seconds + cost - tokens * plain  # what the try costs over plain steps
-            affordable = loss <= self.explore_budget * self.plain_since_try
+            affordable = loss <= self.try_credit
             chosen = 0 if best_k else (try_k if affordable else 0)
+            self._try_prices = (plain, loss)
         if chosen and self.rounds_at.get(b, 0) >= self.payoff_rounds and self._stale((b, 0)):
             chosen = 0  # the payoff check's plain price is stale: measure a plain step first
-        self.plain_since_try = 0.0 if chosen else self.plain_since_try + plain
+        self.trying = bool(chosen) and not best_k
+        if not chosen:
+            self.try_credit += self.explore_budget * plain
+        elif self.trying:
+            self.try_credit -= self._try_prices[1]  # until settle_try charges what it lost
+        else:
+            self.try_credit = min(self.try_credit, 0.0)  # speculating: tries start afresh
         return chosen
+
+    def settle_try(self, seconds: float, tokens_per_row: float) -> None:
+        """The try just run took `seconds` (its catch-up included) for `tokens_per_row`: charge
+        what it lost against plain steps instead of what it was priced to lose."""
+        plain, priced_loss = self._try_prices
+        self.try_credit += priced_loss - (seconds - tokens_per_row * plain)
 
 
 @dataclass(frozen=True)

@@ -276,9 +276,7 @@ class Engine:
                     len(batch), k, seconds, self._forward_seconds() - forwards_before
                 )
             tokens = self._stats.tokens_generated - tokens_before
-            self.draft_length.observe_payoff(
-                len(batch), k, max(seconds - switch_seconds, 0.0), tokens / live
-            )
+            self.draft_length.observe_payoff(len(batch), k, seconds, switch_seconds, tokens / live)
             self._collect(slots, results, params)
         self._record_plain_estimate(admitted, load_mark)
         self._stats.wall_seconds += time.perf_counter() - started
