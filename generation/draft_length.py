@@ -260,7 +260,8 @@ class DraftLengthChooser:
     rounds ran at a batch bucket, their tokens per row over their wall time, against a plain
     step's measured time there, must beat plain decoding, or that bucket decodes plain. The
     veto lifts when the tries that exploration still makes bring the realized payoff back
-    above plain. Rounds and plain steps must be compared in the same stretch of time: a host
+    above plain, or at a new call where rounds paid over the run (a fading sum of ~50 rounds).
+    Rounds and plain steps must be compared in the same stretch of time: a host
     that is busy for a while slows both, but while speculation wins plain steps are rare, and
     a plain price measured in a busy stretch made slower rounds look a win (an int4 target at
     batch 8, AVX2 code: rounds at ~0.75x of plain by fresh prices, ~1.1x by a stale one). So
@@ -281,6 +282,7 @@ class DraftLengthChooser:
         carried_trials: float = 4.0,
         payoff_rounds: int = 4,
         payoff_decay: float = 0.8,
+        long_payoff_decay: float = 0.98,
         stale_steps: int = 32,
     ):
         self.grid_ks, self.decay = grid_ks, decay
@@ -302,9 +304,11 @@ class DraftLengthChooser:
         self.stale_steps = stale_steps
         self.payoff_rounds = payoff_rounds
         self.rounds_at: dict[int, int] = {}  # b -> speculative rounds run at batch bucket b
-        self.payoff_decay = payoff_decay
+        self.payoff_decay, self.long_payoff_decay = payoff_decay, long_payoff_decay
         self.round_seconds: dict[int, float] = {}  # b -> rounds' wall time, fading sum
         self.round_row_tokens: dict[int, float] = {}  # b -> tokens they gave a row, fading sum
+        self.long_seconds: dict[int, float] = {}  # the same two sums, fading ~50x slower: the
+        self.long_row_tokens: dict[int, float] = {}  # payoff over the run, not the last stretch
 
     @property
     def alpha(self) -> float:
@@ -314,10 +318,18 @@ class DraftLengthChooser:
         return min((self.accepted + prior) / (self.trials + self.prior_trials), 0.999)
 
     def new_prompts(self) -> None:
-        """Keep alpha, but only as a prior: the next prompts' own rounds soon outweigh it."""
+        """Keep alpha, but only as a prior: the next prompts' own rounds soon outweigh it. The
+        payoff check starts again from what rounds realized over the run where the last stretch
+        realized less: a draft that pays, vetoed on a stretch of text it could not guess, is not
+        kept off the next prompts (at batch 1 a try must pay a new prompt's draft prefill,
+        which its credit covers only after ~50 s of plain decoding); one that never paid stays
+        vetoed."""
         if self.trials > self.carried_trials:
             scale = self.carried_trials / self.trials
             self.accepted, self.trials = self.accepted * scale, self.trials * scale
+        for b, seconds in self.round_seconds.items():  # start from the run's payoff
+            long_rate = self.long_row_tokens[b] / self.long_seconds[b]
+            self.round_row_tokens[b] = max(self.round_row_tokens[b], long_rate * seconds)
 
     def observe(self, k: int, accepted: list[int]) -> None:
         for count in accepted:
@@ -339,10 +351,13 @@ class DraftLengthChooser:
     def observe_round_payoff(self, b: int, seconds: float, tokens_per_row: float) -> None:
         """A speculative round's wall time and the tokens it gave each live row; older rounds
         fade by `payoff_decay` a round (a ratio of sums, so a burst counts at its weight)."""
-        fade = self.payoff_decay
         self.rounds_at[b] = self.rounds_at.get(b, 0) + 1
-        self.round_seconds[b] = self.round_seconds.get(b, 0.0) * fade + seconds
-        self.round_row_tokens[b] = self.round_row_tokens.get(b, 0.0) * fade + tokens_per_row
+        for fade, spent, gained in (
+            (self.payoff_decay, self.round_seconds, self.round_row_tokens),
+            (self.long_payoff_decay, self.long_seconds, self.long_row_tokens),
+        ):
+            spent[b] = spent.get(b, 0.0) * fade + seconds
+            gained[b] = gained.get(b, 0.0) * fade + tokens_per_row
 
     def _stale(self, key: tuple[int, int]) -> bool:
         """Never measured, or last measured more than `stale_steps` steps ago."""

@@ -155,13 +155,17 @@ def test_a_skipped_draft_catches_up_exactly(tiny_llama_dir, monkeypatch):
 def test_a_try_drafts_the_k_it_was_priced_at_whatever_the_stopper_says(
     tiny_llama_dir, tiny_llama_other_dir, monkeypatch
 ):
-    """Plain wins (the draft is believed never to agree) and tries are made affordable; the
-    round stopper would draft every round on to the largest grid K, but a try was priced as a
-    K=2 round and drafts exactly 2. Its wall time, catch-up included, is charged."""
+    """Plain wins (drafting costs more than any acceptance earns) and tries are made
+    affordable; the round stopper would draft every round on to the largest grid K, but a try
+    was priced as a K=2 round and drafts exactly 2. Its wall time, catch-up included, is
+    charged."""
     engine = draft_engine(tiny_llama_dir, tiny_llama_other_dir)
     policy = engine.draft_length
     chooser = policy.chooser
     chooser.prior_alpha, chooser.explore_budget = 0.0, 100.0
+    # Sub-millisecond steps of tiny models are noise: a drafted token priced at 1.5 plain
+    # steps, so no acceptance makes a round win and every round is a try.
+    monkeypatch.setattr(chooser, "step_cost", lambda b, k, forwards: 1.0 + 1.5 * k)
     chooser.base_interval = chooser.interval = chooser.max_interval = 3
     weigh = policy.stopper.keep_going
     monkeypatch.setattr(policy.stopper, "keep_going", lambda *args: weigh(*args) or True)
@@ -256,6 +260,22 @@ def test_a_first_round_that_keeps_nothing_does_not_end_a_draft_that_pays():
     assert 2 in chosen[1:12]  # tried again within a few steps
     assert chosen[12:].count(2) >= 26  # and speculating from then on
     assert chooser.realized_speedup(1, 1.0) > 1.3
+
+
+@pytest.mark.parametrize("paid_before", [True, False])
+def test_a_new_call_starts_from_what_rounds_paid_over_the_run(paid_before):
+    """40 rounds that paid 1.25x (5 tokens in a 4 s K=4 round), then a stretch of 8 that
+    paid 0.5x vetoes speculation, and the call stays plain. The next call's prompts are other
+    text: over the run rounds paid, so it speculates again (and the veto stands ready for its
+    own rounds). A draft whose rounds never paid (all 48 at 0.5x) stays vetoed."""
+    chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
+                                 prior_alpha=0.9)
+    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    for round_index in range(48):
+        chooser.observe_round_payoff(1, 4.0, 5.0 if paid_before and round_index < 40 else 2.0)
+    assert chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) == 0  # vetoed
+    chooser.new_prompts()
+    assert (chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) > 0) == paid_before
 
 
 def test_rounds_that_pay_are_never_vetoed():
