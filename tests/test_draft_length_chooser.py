@@ -262,20 +262,22 @@ def test_a_first_round_that_keeps_nothing_does_not_end_a_draft_that_pays():
     assert chooser.realized_speedup(1, 1.0) > 1.3
 
 
-@pytest.mark.parametrize("paid_before", [True, False])
-def test_a_new_call_starts_from_what_rounds_paid_over_the_run(paid_before):
-    """40 rounds that paid 1.25x (5 tokens in a 4 s K=4 round), then a stretch of 8 that
-    paid 0.5x vetoes speculation, and the call stays plain. The next call's prompts are other
-    text: over the run rounds paid, so it speculates again (and the veto stands ready for its
-    own rounds). A draft whose rounds never paid (all 48 at 0.5x) stays vetoed."""
+@pytest.mark.parametrize(("paid", "lifted"), [(1.6, True), (1.3, False), (0.5, False)])
+def test_a_new_call_starts_from_what_rounds_paid_over_the_run(paid, lifted):
+    """40 rounds that paid `paid` x plain (K=4 rounds of 4 s), then a stretch of 8 that paid
+    0.5x vetoes speculation, and the call stays plain. The next call's prompts are other text:
+    where rounds paid clearly over the run (1.6x, 1.34x with the stretch) it speculates again,
+    the veto ready for its own rounds; one whose rounds paid 1.1x with the stretch would not
+    earn back a new prompt's draft prefill and the rounds until the next veto, and one that
+    never paid stays vetoed too."""
     chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
                                  prior_alpha=0.9)
     chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
     for round_index in range(48):
-        chooser.observe_round_payoff(1, 4.0, 5.0 if paid_before and round_index < 40 else 2.0)
+        chooser.observe_round_payoff(1, 4.0, 4.0 * (paid if round_index < 40 else 0.5))
     assert chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) == 0  # vetoed
     chooser.new_prompts()
-    assert (chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) > 0) == paid_before
+    assert (chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) > 0) == lifted
 
 
 def test_rounds_that_pay_are_never_vetoed():
