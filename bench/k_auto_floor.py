@@ -7,17 +7,31 @@ out of reach: the model of acceptance and step prices alone decides, as before t
 Contenders take turns call by call; medians over repetitions. Prints JSON with each ratio to
 plain and the lowest one.
 
-    python bench/k_auto_floor.py [--repeats 3] [--threads 1] [--max-new-tokens 64]
+With `--qwen` (needs `make models`): the Qwen2.5-Coder pair as bench/peers.py runs it, the
+1.5B target `quantize: int8` plain and with the 0.5B int8 draft (eager; `--compiled-draft`
+adds it compiled), K auto with the check, on the chat code and free-text prompts (4 each at
+batch 1, 8 in one call): where a 0.5B draft's first pass over a long prompt makes each try
+dear.
+
+    python bench/k_auto_floor.py [--qwen [--compiled-draft]] [--repeats 3] [--threads 1]
+        [--max-new-tokens 64] [--out FILE]
 """
 
 from __future__ import annotations
 
-import json
 import statistics
+from pathlib import Path
 
 import torch
 
-from bench._common import EngineTimings, decoding_arguments, engine_contender, machine
+from bench import peers
+from bench._common import (
+    EngineTimings,
+    decoding_arguments,
+    engine_contender,
+    machine,
+    print_result,
+)
 from bench.workloads import PROMPT_SETS, SMOLLM2
 from generation import Engine
 from schemas import BucketGrid, DraftSpec, EngineConfig, SamplingParams
@@ -47,40 +61,60 @@ def build_engines(threads: int) -> dict[str, Engine]:
     return engines
 
 
+def qwen_engines(threads: int, compiled_draft: bool) -> dict[str, Engine]:
+    """peers.py's int8 target, plain and with its draft, named as the SmolLM2 engines are."""
+    built, _ = peers.our_engines(threads, [1, 8], ["int8"], compiled_draft)
+    names = {"ours_int8_plain": "plain", "ours_int8_draft_0.5b_int8_auto": "int8",
+             "ours_int8_draft_0.5b_int8_compiled_auto": "int8_compiled"}
+    return {names[name]: engine for name, engine in built.items()}
+
+
 def main() -> None:
     parser = decoding_arguments(__doc__)
+    parser.add_argument("--qwen", action="store_true", help="the Qwen pair, int8 (make models)")
+    parser.add_argument("--compiled-draft", action="store_true", help="--qwen: also compiled")
+    parser.add_argument("--out", type=Path, help="also write the JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
-    engines = build_engines(args.threads)
+    if args.qwen:
+        engines = qwen_engines(args.threads, args.compiled_draft)
+        prompt_sets, solo = {n: p[:8] for n, p in peers.PROMPT_SETS.items()}, 4
+    else:
+        engines, prompt_sets, solo = build_engines(args.threads), PROMPT_SETS, None
     contenders = {name: engine_contender(engine, params) for name, engine in engines.items()}
     timings = EngineTimings()
     for _ in range(args.repeats):
-        for set_name, prompts in PROMPT_SETS.items():
-            timings.time_contenders(contenders, set_name, prompts, [1], len(prompts))
+        for set_name, prompts in prompt_sets.items():
+            timings.time_contenders(contenders, set_name, prompts, [1], solo or len(prompts))
             timings.time_contenders(contenders, set_name, prompts, [8])
     tps = {key: round(statistics.median(v), 2) for key, v in timings.rates.items()}
     ratios = {
         f"{set_name}/b{b}/{name}": round(tps[f"{set_name}/b{b}/{name}"]
                                          / tps[f"{set_name}/b{b}/plain"], 3)
-        for set_name in PROMPT_SETS for b in (1, 8) for name in engines if name != "plain"
+        for set_name in prompt_sets for b in (1, 8) for name in engines if name != "plain"
     }  # fmt: skip
     checked = {key: ratio for key, ratio in ratios.items() if not key.endswith("_unchecked")}
-    print(json.dumps({
+    unchecked = [(k, r) for k, r in ratios.items() if k.endswith("_unchecked")]
+    print_result({
         "machine": machine(engines),
-        "model": SMOLLM2.path,
+        "model": peers.TARGET.path if args.qwen else SMOLLM2.path,
         "max_new_tokens": args.max_new_tokens,
         "repeats": args.repeats,
         "all_engine_outputs_identical_to_plain": timings.outputs_identical(),
         "tokens_per_second": tps,
         "ratios_to_plain": ratios,
+        "ratios_per_repetition": {
+            key: [round(rate / plain, 3) for rate, plain in zip(
+                timings.rates[key], timings.rates[key.rsplit("/", 1)[0] + "/plain"], strict=True)]
+            for key in ratios
+        },
         "lowest_ratio_with_check": min(checked.items(), key=lambda item: item[1]),
-        "lowest_ratio_without_check": min(
-            ((k, r) for k, r in ratios.items() if k.endswith("_unchecked")),
-            key=lambda item: item[1]),
+        "lowest_ratio_without_check": min(unchecked, key=lambda item: item[1], default=None),
         "steps_per_k": {key: value["steps_per_k"] for key, value in timings.acceptance.items()},
+        "seconds": {key: value["seconds"] for key, value in timings.acceptance.items()},
         "goal": "every ratio with the check >= 0.97",
-    }, indent=2))  # fmt: skip
+    }, args.out)  # fmt: skip
 
 
 if __name__ == "__main__":
