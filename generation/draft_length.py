@@ -248,9 +248,9 @@ class DraftLengthChooser:
     drafts exactly the K it was priced for, never drafting on under the stopper. So the tries
     of a run whose draft never pays cost at most `explore_budget` of its plain time, plus one
     try's mispricing, yet a draft that would pay is found within a bounded amount of plain
-    decoding. Where rounds already ran at
-    the batch bucket, a try's tokens are priced at what they realized, not at what the model
-    expects: a model that overrates the draft would otherwise call every try free.
+    decoding. Where rounds already ran at the batch bucket, a try's tokens are priced at what
+    they realized, not at what the model expects: a model that overrates the draft would
+    otherwise call every try free.
     With a DraftStopper (model drafts, K auto) a chosen K > 0 only says "speculate": the round
     drafts up to the largest grid K and the stopper picks where it ends; the rounds it ran
     are what alpha and the step costs learn from.
@@ -261,8 +261,7 @@ class DraftLengthChooser:
     step's measured time there, must beat plain decoding, or that bucket decodes plain. The
     veto lifts when the tries that exploration still makes bring the realized payoff back
     above plain, or at a new call where rounds paid clearly over the run (a fading sum of ~50
-    rounds).
-    Rounds and plain steps must be compared in the same stretch of time: a host
+    rounds). Rounds and plain steps must be compared in the same stretch of time: a host
     that is busy for a while slows both, but while speculation wins plain steps are rare, and
     a plain price measured in a busy stretch made slower rounds look a win (an int4 target at
     batch 8, AVX2 code: rounds at ~0.75x of plain by fresh prices, ~1.1x by a stale one). So
