@@ -79,7 +79,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
     if args.qwen:
         engines = qwen_engines(args.threads, args.compiled_draft)
-        prompt_sets, solo = {n: p[:8] for n, p in peers.PROMPT_SETS.items()}, 4
+        prompt_sets, solo = peers.PROMPT_SETS, 4
     else:
         engines, prompt_sets, solo = build_engines(args.threads), PROMPT_SETS, None
     contenders = {name: engine_contender(engine, params) for name, engine in engines.items()}

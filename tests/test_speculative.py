@@ -303,8 +303,7 @@ EXACT_INT8_KERNELS = {  # each exact kernel: its probe, and the fast paths off s
                                [kernels.FBGEMM_INT8_WHOLE, kernels.INT_MM]),
     kernels.INT_MM: (kernels.int_mm, [kernels.FBGEMM_INT8_ROWS]),
 }
-FBGEMM_WEIGHT_LIMITS = {kernels.FBGEMM_INT8_WHOLE: kernels.EIGHT_BIT_WEIGHTS,
-                        kernels.FBGEMM_INT8_ROWS: kernels.SEVEN_BIT_WEIGHTS}
+FBGEMM_KERNELS = [kernels.FBGEMM_INT8_WHOLE, kernels.FBGEMM_INT8_ROWS]
 
 
 @pytest.mark.parametrize("kernel", EXACT_INT8_KERNELS)
@@ -346,14 +345,14 @@ def test_smoothing_moves_an_outlier_channels_rounding_into_the_weights():
     assert errors[1] < errors[0] / 2, errors
 
 
-@pytest.mark.parametrize("kernel", FBGEMM_WEIGHT_LIMITS)
+@pytest.mark.parametrize("kernel", FBGEMM_KERNELS)
 def test_fbgemm_int8_rows_sums_exactly_at_the_weights_and_codes_extremes(kernel):
     """Codes at +-126 times the widest weights each kernel stores: fbgemm's AVX2 code adds
     pairs of u8 x s8 products in int16, where 7-bit weights fit (254 x 64 x 2 = 32512) and
     8-bit ones would not (254 x 127 x 2), so those run only where the sums are int32 (VNNI).
     The emulated AVX2 runs of tests/test_portability.py probe the same extremes there."""
     probe, others = EXACT_INT8_KERNELS[kernel]
-    limit = FBGEMM_WEIGHT_LIMITS[kernel]
+    limit = kernels.WEIGHT_CODE_LIMITS[kernel]
     with kernels.disabled(*others):
         if not probe().available:
             pytest.skip(f"{kernel}: {probe().reason}")
@@ -365,12 +364,12 @@ def test_fbgemm_int8_rows_sums_exactly_at_the_weights_and_codes_extremes(kernel)
     assert torch.equal(out.double(), codes.double() @ weights.double().t() * 0.5)
 
 
-@pytest.mark.parametrize("kernel", FBGEMM_WEIGHT_LIMITS)
+@pytest.mark.parametrize("kernel", FBGEMM_KERNELS)
 def test_an_exact_int8_linear_stores_weights_its_kernel_sums_without_saturating(kernel):
     """Every weight code within the kernel's limit, each output channel's largest at it (the
     scale uses every step)."""
     probe, others = EXACT_INT8_KERNELS[kernel]
-    limit = FBGEMM_WEIGHT_LIMITS[kernel]
+    limit = kernels.WEIGHT_CODE_LIMITS[kernel]
     with kernels.disabled(*others):
         if not probe().available:
             pytest.skip(f"{kernel}: {probe().reason}")
