@@ -7,12 +7,19 @@ session: Ctrl-C reaches only the CLI, which stops the run in order and then the 
 starts with the current directory kept off its import path (`python -P`: a local `inspect.py`
 shadowed the standard library and crashed it), and is watched while it starts, so a server
 that exits is reported at once with the last line it printed, not after a 120 s timeout.
+
+Its port is chosen below the kernel's range for outgoing connections (32768-60999 on Linux,
+49152 and up on macOS): a port the OS handed out as free could be taken by another process's
+outgoing connection in the seconds the server spends on its migrations before it binds, and
+the server then died with "address already in use" mid-test. A server that still loses its
+port is restarted on another one, as Prefect's own temporary server does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -31,10 +38,23 @@ class ServerFailed(RuntimeError):
     """The local Prefect server exited or never answered; the message says why."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+LISTEN_PORTS = range(20000, 32768)
+BIND_ATTEMPTS = 5
+
+
+def _free_port(busy: set[int]) -> int:
+    """A port free now, outside the ranges the OS hands to outgoing connections."""
+    while True:
+        port = random.choice(LISTEN_PORTS)
+        if port in busy:
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                busy.add(port)
+                continue
+        return port
 
 
 def _last_line(log: Path) -> str:
@@ -49,27 +69,36 @@ class LocalServer:
         import prefect
         from prefect.settings import get_current_settings
 
-        self.port = _free_port()
-        self.api_url = f"http://127.0.0.1:{self.port}/api"
         self.log = Path(tempfile.mkstemp(prefix="corpusgen-prefect-server-", suffix=".log")[1])
-        env = {
+        self._env = {
             **os.environ,
             **get_current_settings().to_environment_variables(exclude_unset=True),
             "PREFECT_UI_ENABLED": "0",
             "PREFECT__SERVER_EPHEMERAL": "1",
             "PREFECT__SERVER_FINAL": "1",
         }
+        self._app_dir = str(Path(prefect.__file__).parent.parent)
+        self._lost_ports: set[int] = set()
+        self._spawn()
+
+    def _spawn(self) -> None:
+        self.port = _free_port(self._lost_ports)
+        self.api_url = f"http://127.0.0.1:{self.port}/api"
         command = [
             sys.executable, "-P", "-m", "uvicorn",
-            "--app-dir", str(Path(prefect.__file__).parent.parent),
+            "--app-dir", self._app_dir,
             "--factory", "prefect.server.api.server:create_app",
             "--host", "127.0.0.1", "--port", str(self.port),
             "--log-level", "error", "--lifespan", "on",
         ]  # fmt: skip
         with self.log.open("w") as log:  # the child keeps its own handle
             self.process = subprocess.Popen(
-                command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                command, env=self._env, stdout=log, stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
+
+    def _lost_its_port(self) -> bool:
+        return "address already in use" in self.log.read_text(errors="replace")
 
     def exit_reason(self) -> str | None:
         """None while the server runs; else how it ended and the last line it printed."""
@@ -83,6 +112,10 @@ class LocalServer:
         with httpx.Client(timeout=2) as client:
             while time.monotonic() < deadline:
                 if (reason := self.exit_reason()) is not None:
+                    if self._lost_its_port() and len(self._lost_ports) < BIND_ATTEMPTS:
+                        self._lost_ports.add(self.port)
+                        self._spawn()
+                        continue
                     raise ServerFailed(f"Prefect's local server {reason} (log: {self.log})")
                 with contextlib.suppress(httpx.HTTPError):
                     if client.get(f"{self.api_url}/health").status_code == 200:

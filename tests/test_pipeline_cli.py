@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pyarrow.dataset as ds
 import pytest
 import s3fs
@@ -182,6 +184,27 @@ def test_a_local_server_that_dies_at_start_is_reported_at_once_with_its_cause(tm
     last = output.strip().splitlines()[-1]
     assert last.startswith("Prefect's local server exited with code"), output
     assert "Traceback" not in output, output
+
+
+def test_a_local_server_whose_port_is_taken_before_it_binds_starts_on_another(monkeypatch):
+    """CI lost a run this way: the port was free when chosen, another process took it during
+    the server's migrations, and uvicorn exited 3 with "address already in use"."""
+    from flows import local_server
+
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        choose, ports = local_server._free_port, iter([taken])
+        monkeypatch.setattr(local_server, "_free_port", lambda busy: next(ports, 0) or choose(busy))
+        server = local_server.LocalServer()
+        try:
+            server.wait_healthy(timeout=240)
+            assert server.port != taken
+            assert httpx.get(f"{server.api_url}/health").status_code == 200
+        finally:
+            server.stop()
+            server.log.unlink(missing_ok=True)
 
 
 @pytest.mark.slow
