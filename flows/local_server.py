@@ -42,8 +42,9 @@ LISTEN_PORTS = range(20000, 32768)
 BIND_ATTEMPTS = 5
 
 
-def _free_port(busy: set[int]) -> int:
+def free_listen_port(busy: set[int] | None = None) -> int:
     """A port free now, outside the ranges the OS hands to outgoing connections."""
+    busy = set() if busy is None else busy
     while True:
         port = random.choice(LISTEN_PORTS)
         if port in busy:
@@ -82,7 +83,7 @@ class LocalServer:
         self._spawn()
 
     def _spawn(self) -> None:
-        self.port = _free_port(self._lost_ports)
+        self.port = free_listen_port(self._lost_ports)
         self.api_url = f"http://127.0.0.1:{self.port}/api"
         command = [
             sys.executable, "-P", "-m", "uvicorn",

@@ -4,7 +4,6 @@ and a real S3 endpoint (a moto server on loopback, as s3fs's own test suite does
 from __future__ import annotations
 
 import os
-import socket
 import sys
 from pathlib import Path
 
@@ -26,9 +25,10 @@ pytest_plugins = ["pipeline_fixtures"]  # the session's Prefect server, shared b
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    """A port for a test server that binds seconds later: outside the OS's outgoing range."""
+    from flows.local_server import free_listen_port
+
+    return free_listen_port()
 
 
 @pytest.fixture(scope="session")

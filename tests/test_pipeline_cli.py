@@ -195,8 +195,10 @@ def test_a_local_server_whose_port_is_taken_before_it_binds_starts_on_another(mo
         squatter.bind(("127.0.0.1", 0))
         squatter.listen()
         taken = squatter.getsockname()[1]
-        choose, ports = local_server._free_port, iter([taken])
-        monkeypatch.setattr(local_server, "_free_port", lambda busy: next(ports, 0) or choose(busy))
+        choose, ports = local_server.free_listen_port, iter([taken])
+        monkeypatch.setattr(
+            local_server, "free_listen_port", lambda busy: next(ports, 0) or choose(busy)
+        )
         server = local_server.LocalServer()
         try:
             server.wait_healthy(timeout=240)
