@@ -284,6 +284,7 @@ class DraftLengthChooser:
         payoff_decay: float = 0.8,
         long_payoff_decay: float = 0.98,
         lift_margin: float = 1.2,
+        lift_rounds: float = 2.0,
         stale_steps: int = 32,
     ):
         self.grid_ks, self.decay = grid_ks, decay
@@ -306,7 +307,7 @@ class DraftLengthChooser:
         self.payoff_rounds = payoff_rounds
         self.rounds_at: dict[int, int] = {}  # b -> speculative rounds run at batch bucket b
         self.payoff_decay, self.long_payoff_decay = payoff_decay, long_payoff_decay
-        self.lift_margin = lift_margin
+        self.lift_margin, self.lift_rounds = lift_margin, lift_rounds
         self.round_seconds: dict[int, float] = {}  # b -> rounds' wall time, fading sum
         self.round_row_tokens: dict[int, float] = {}  # b -> tokens they gave a row, fading sum
         self.long_seconds: dict[int, float] = {}  # the same two sums, fading ~50x slower: the
@@ -328,15 +329,21 @@ class DraftLengthChooser:
         `lift_margin` x plain: a lift costs the next prompt's draft prefill and the rounds until
         the check vetoes again, which a draft paying ~1.0x over the run does not earn back
         (with AVX2 code the eager 0.5B draft, paying on code and not on free text, lost ~4 % on
-        free text when lifted at 1.0x)."""
+        free text when lifted at 1.0x). The run's payoff weighs as `lift_rounds` rounds, not
+        as the ~5 of the last stretch: the new text's own rounds decide within a few (prompt
+        lookup, paying 1.5x on copy tasks, ran ~8 losing rounds on each free-text prompt
+        after its lift, 0.95x plain with AVX2 code)."""
         if self.trials > self.carried_trials:
             scale = self.carried_trials / self.trials
             self.accepted, self.trials = self.accepted * scale, self.trials * scale
         for b, seconds in self.round_seconds.items():  # start from the run's payoff
             long_rate = self.long_row_tokens[b] / self.long_seconds[b]
             plain = self.step_seconds.get((b, 0))
-            if plain and long_rate * plain >= self.lift_margin:
-                self.round_row_tokens[b] = max(self.round_row_tokens[b], long_rate * seconds)
+            paid_clearly = plain and long_rate * plain >= self.lift_margin
+            if paid_clearly and self.round_row_tokens[b] < long_rate * seconds:
+                rounds = (1 - self.payoff_decay ** self.rounds_at[b]) / (1 - self.payoff_decay)
+                self.round_seconds[b] = self.lift_rounds * seconds / rounds
+                self.round_row_tokens[b] = long_rate * self.round_seconds[b]
 
     def observe(self, k: int, accepted: list[int]) -> None:
         for count in accepted:

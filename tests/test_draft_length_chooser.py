@@ -280,6 +280,25 @@ def test_a_new_call_starts_from_what_rounds_paid_over_the_run(paid, lifted):
     assert (chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) > 0) == lifted
 
 
+@pytest.mark.parametrize(("lifted_rate", "most_rounds"), [(0.7, 3), (1.1, 12)])
+def test_a_lifted_call_is_vetoed_again_within_a_few_rounds_that_lose(lifted_rate, most_rounds):
+    """Prompt lookup pays ~1.8x on copy tasks and ~0.7x on free text: lifted at a new free-text
+    call, its rounds must turn it off within a few, not after the ~5 the last stretch weighs.
+    Rounds that pay over plain keep the lift (12 rounds: as many as the loop runs)."""
+    chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
+                                 prior_alpha=0.9)
+    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    for round_index in range(48):
+        chooser.observe_round_payoff(1, 4.0, 4.0 * (1.8 if round_index < 40 else 0.5))
+    chooser.new_prompts()
+    rounds_run = 0
+    while rounds_run < 12 and chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG):
+        chooser.observe_step(1, 4, seconds=4.0, forward_seconds=4.0)
+        chooser.observe_round_payoff(1, 4.0, 4.0 * lifted_rate)
+        rounds_run += 1
+    assert rounds_run <= most_rounds if lifted_rate < 1 else rounds_run == most_rounds
+
+
 def test_rounds_that_pay_are_never_vetoed():
     """Only interrupted, once plain's price is `stale_steps` old, by one plain step that
     measures it again."""
