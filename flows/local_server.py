@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import httpx
@@ -42,18 +42,16 @@ LISTEN_PORTS = range(20000, 32768)
 BIND_ATTEMPTS = 5
 
 
-def free_listen_port(busy: set[int] | None = None) -> int:
+def free_listen_port(avoid: Collection[int] = ()) -> int:
     """A port free now, outside the ranges the OS hands to outgoing connections."""
-    busy = set() if busy is None else busy
     while True:
         port = random.choice(LISTEN_PORTS)
-        if port in busy:
+        if port in avoid:
             continue
         with socket.socket() as sock:
             try:
                 sock.bind(("127.0.0.1", port))
             except OSError:
-                busy.add(port)
                 continue
         return port
 

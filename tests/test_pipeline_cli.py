@@ -197,7 +197,7 @@ def test_a_local_server_whose_port_is_taken_before_it_binds_starts_on_another(mo
         taken = squatter.getsockname()[1]
         choose, ports = local_server.free_listen_port, iter([taken])
         monkeypatch.setattr(
-            local_server, "free_listen_port", lambda busy: next(ports, 0) or choose(busy)
+            local_server, "free_listen_port", lambda avoid: next(ports, 0) or choose(avoid)
         )
         server = local_server.LocalServer()
         try:
