@@ -262,6 +262,16 @@ def test_a_first_round_that_keeps_nothing_does_not_end_a_draft_that_pays():
     assert chooser.realized_speedup(1, 1.0) > 1.3
 
 
+def vetoed_after_a_bad_stretch(paid: float) -> DraftLengthChooser:
+    """40 K=4 rounds of 4 s that paid `paid` x a 1 s plain step, then 8 that paid 0.5x."""
+    chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
+                                 prior_alpha=0.9)
+    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
+    for round_index in range(48):
+        chooser.observe_round_payoff(1, 4.0, 4.0 * (paid if round_index < 40 else 0.5))
+    return chooser
+
+
 @pytest.mark.parametrize(("paid", "lifted"), [(1.6, True), (1.3, False), (0.5, False)])
 def test_a_new_call_starts_from_what_rounds_paid_over_the_run(paid, lifted):
     """40 rounds that paid `paid` x plain (K=4 rounds of 4 s), then a stretch of 8 that paid
@@ -270,11 +280,7 @@ def test_a_new_call_starts_from_what_rounds_paid_over_the_run(paid, lifted):
     the veto ready for its own rounds; one whose rounds paid 1.1x with the stretch would not
     earn back a new prompt's draft prefill and the rounds until the next veto, and one that
     never paid stays vetoed too."""
-    chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
-                                 prior_alpha=0.9)
-    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
-    for round_index in range(48):
-        chooser.observe_round_payoff(1, 4.0, 4.0 * (paid if round_index < 40 else 0.5))
+    chooser = vetoed_after_a_bad_stretch(paid)
     assert chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) == 0  # vetoed
     chooser.new_prompts()
     assert (chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) > 0) == lifted
@@ -285,11 +291,7 @@ def test_a_lifted_call_is_vetoed_again_within_a_few_rounds_that_lose(lifted_rate
     """Prompt lookup pays ~1.8x on copy tasks and ~0.7x on free text: lifted at a new free-text
     call, its rounds must turn it off within a few, not after the ~5 the last stretch weighs.
     Rounds that pay over plain keep the lift (12 rounds: as many as the loop runs)."""
-    chooser = DraftLengthChooser([4], explore_every=1000, max_explore_every=1000,
-                                 prior_alpha=0.9)
-    chooser.observe_step(1, 0, seconds=1.0, forward_seconds=1.0)
-    for round_index in range(48):
-        chooser.observe_round_payoff(1, 4.0, 4.0 * (1.8 if round_index < 40 else 0.5))
+    chooser = vetoed_after_a_bad_stretch(1.8)
     chooser.new_prompts()
     rounds_run = 0
     while rounds_run < 12 and chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG):
