@@ -310,6 +310,7 @@ class DraftLengthChooser:
         self.lift_margin, self.lift_rounds = lift_margin, lift_rounds
         self.round_seconds: dict[int, float] = {}  # b -> rounds' wall time, fading sum
         self.round_row_tokens: dict[int, float] = {}  # b -> tokens they gave a row, fading sum
+        self.round_weight: dict[int, float] = {}  # b -> how many rounds those sums weigh
         self.long_seconds: dict[int, float] = {}  # the same two sums, fading ~50x slower: the
         self.long_row_tokens: dict[int, float] = {}  # payoff over the run, not the last stretch
 
@@ -330,9 +331,9 @@ class DraftLengthChooser:
         the check vetoes again, which a draft paying ~1.0x over the run does not earn back
         (with AVX2 code the eager 0.5B draft, paying on code and not on free text, lost ~4 % on
         free text when lifted at 1.0x). The run's payoff weighs as `lift_rounds` rounds, not
-        as the ~5 of the last stretch: the new text's own rounds decide within a few (prompt
-        lookup, paying 1.5x on copy tasks, ran ~8 losing rounds on each free-text prompt
-        after its lift, 0.95x plain with AVX2 code)."""
+        as the ~5 of the last stretch, at every lift: the new text's own rounds decide within
+        a few (prompt lookup, paying 1.5x on copy tasks, ran ~8 losing rounds on each
+        free-text prompt after its lift, 0.95x plain with AVX2 code)."""
         if self.trials > self.carried_trials:
             scale = self.carried_trials / self.trials
             self.accepted, self.trials = self.accepted * scale, self.trials * scale
@@ -341,9 +342,9 @@ class DraftLengthChooser:
             plain = self.step_seconds.get((b, 0))
             paid_clearly = plain and long_rate * plain >= self.lift_margin
             if paid_clearly and self.round_row_tokens[b] < long_rate * seconds:
-                rounds = (1 - self.payoff_decay ** self.rounds_at[b]) / (1 - self.payoff_decay)
-                self.round_seconds[b] = self.lift_rounds * seconds / rounds
+                self.round_seconds[b] = self.lift_rounds * seconds / self.round_weight[b]
                 self.round_row_tokens[b] = long_rate * self.round_seconds[b]
+                self.round_weight[b] = self.lift_rounds
 
     def observe(self, k: int, accepted: list[int]) -> None:
         for count in accepted:
@@ -372,6 +373,7 @@ class DraftLengthChooser:
         ):
             spent[b] = spent.get(b, 0.0) * fade + seconds
             gained[b] = gained.get(b, 0.0) * fade + tokens_per_row
+        self.round_weight[b] = self.round_weight.get(b, 0.0) * self.payoff_decay + 1
 
     def _stale(self, key: tuple[int, int]) -> bool:
         """Never measured, or last measured more than `stale_steps` steps ago."""

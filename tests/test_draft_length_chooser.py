@@ -301,6 +301,22 @@ def test_a_lifted_call_is_vetoed_again_within_a_few_rounds_that_lose(lifted_rate
     assert rounds_run <= most_rounds if lifted_rate < 1 else rounds_run == most_rounds
 
 
+def test_every_lift_weighs_its_payoff_as_lift_rounds_rounds():
+    """A second lift soon after a first one (the lifted call vetoed again after its 3 rounds
+    at 0.7x) carries the run's payoff at the weight of `lift_rounds` mean rounds (4 s each),
+    as the first did, not at the smaller weight its fading sums had left by then."""
+    chooser = vetoed_after_a_bad_stretch(1.8)
+    for _ in range(2):
+        chooser.new_prompts()
+        assert chooser.round_seconds[1] == pytest.approx(chooser.lift_rounds * 4.0)
+        for _ in range(12):
+            if not chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG):
+                break
+            chooser.observe_step(1, 4, seconds=4.0, forward_seconds=4.0)
+            chooser.observe_round_payoff(1, 4.0, 4.0 * 0.7)
+        assert not chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG)  # vetoed
+
+
 def test_rounds_that_pay_are_never_vetoed():
     """Only interrupted, once plain's price is `stale_steps` old, by one plain step that
     measures it again."""
