@@ -10,12 +10,15 @@ Batch 1 runs each prompt alone, every contender on a prompt before the next; the
 contender at its best batch: ours at batch 8, vLLM with the set's prompts in one call,
 llama.cpp's `llama-batched-bench` with 8 parallel sequences of the set's mean prompt length
 (its own prompt tokens: decoding speed does not depend on which tokens they are). Medians over
-`--repeats`; ratios against llama.cpp plain from the same run. Our three engines and vLLM do
+`--repeats`; ratios against llama.cpp plain from the same run. `--prompt-lookup` adds prompt
+lookup (a draft of n-grams copied from the prompt and text so far) to our quantized targets and
+llama.cpp's own (`--spec-type ngram-simple`) at batch 1. Our three engines and vLLM do
 not fit in memory together on a 23 GB host, so vLLM runs in a second phase, once our engines
 are freed, side by side with llama.cpp plain again: its ratios come from that phase. Prints
 one JSON object.
 Usage: python bench/peers.py [--quick] [--prompts 8] [--repeats 1] [--threads 1] [--out FILE]
-       [--targets bf16 int8 ...] [--compiled-draft] [--no-vllm] [--llama-bin DIR]
+       [--targets bf16 int8 ...] [--compiled-draft] [--prompt-lookup] [--no-vllm]
+       [--llama-bin DIR]
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from bench.qwen_pair import DRAFT, GRID, PROMPT_SETS, TARGET, build_engines
 from generation import Engine
 from generation.loading import assemble, draft_proposer, packaged_gguf, resolve_model_dir
 from generation.prompts import chat_text_and_ids
+from generation.proposers import PromptLookupProposer
 from schemas import DraftSpec, EngineConfig, SamplingParams
 from schemas.engine import PACKAGED_PREFIX
 
@@ -49,6 +53,8 @@ VLLM_PYTHON = ROOT / ".peers" / "vllm-venv" / "bin" / "python"
 VLLM_WORKER = Path(__file__).resolve().parent / "_vllm_worker.py"
 OUR_BEST_BATCH = 8
 LLAMA_DRAFT_MAX = 3
+LOOKUP_NGRAM = 3
+LOOKUP_DRAFT_MAX = max(GRID.draft_lengths)
 TIMEOUT_SECONDS = 900
 
 
@@ -94,13 +100,15 @@ OUR_TARGETS = ("bf16", "int4", "int4+int8", "int8")
 
 
 def our_engines(
-    threads: int, batch_sizes: list[int], targets: list[str], compiled_draft: bool = False
+    threads: int, batch_sizes: list[int], targets: list[str], compiled_draft: bool = False,
+    prompt_lookup: bool = False,
 ) -> tuple[dict[str, Engine], dict[str, dict]]:
     """Per target, plain and with the 0.5B int8 draft (K auto) over one load of its weights:
     packed bf16 as qwen_pair.py builds it; quantize: int4 and int4+int8 (the GGUF's 4-bit
     blocks, its other linears bf16 or int8 per channel); quantize: int8 (every linear int8 per
     channel, activations int8 per row). With `compiled_draft`, quantized targets also run the
-    same draft weights compiled (draft.compile: its per-token steps). Also each quantized
+    same draft weights compiled (draft.compile: its per-token steps), and with `prompt_lookup`
+    prompt lookup (n-grams of 3 down to 1, K auto) instead of a draft. Also each quantized
     engine's warm-up: its seconds and compiles."""
     grid = GRID.model_copy(update={"batch_sizes": batch_sizes})
     draft = DraftSpec(kind="model", model=DRAFT.model_copy(update={"dtype": "bfloat16"}),
@@ -122,6 +130,11 @@ def our_engines(
                                         proposer.runner.cache.keys[0].dtype, True)
             pair[f"ours_{quantize}_draft_0.5b_int8_compiled_auto"] = Engine(
                 compiled, target, device, same_draft, loaded_draft)
+        if prompt_lookup:
+            lookup = DraftSpec(kind="prompt_lookup", ngram_max=LOOKUP_NGRAM)
+            pair[f"ours_{quantize}_draft_prompt_lookup_auto"] = Engine(
+                with_draft.model_copy(update={"draft": lookup}), target, device,
+                PromptLookupProposer(lookup.ngram_max, lookup.ngram_min))
         for name, engine in pair.items():
             started = time.perf_counter()
             engine.warmup()
@@ -184,19 +197,16 @@ def llama_plain(tools: Path, target: Path, threads: int, max_new_tokens: int) ->
     return run
 
 
-def llama_speculative(
-    tools: Path, target: Path, draft: Path, threads: int, max_new_tokens: int
-) -> Contender:
-    """`llama-speculative-simple` with the 0.5B draft, greedy, up to LLAMA_DRAFT_MAX drafted
-    tokens a round: its encode + decode seconds."""
+def llama_speculative(tools: Path, target: Path, threads: int, max_new_tokens: int,
+                      how: list[str]) -> Contender:
+    """`llama-speculative-simple`, greedy, its speculation set by `how` (`llama_draft_model`,
+    `llama_ngram`): its encode + decode seconds."""
 
     def run(prompts: list[Prompt]) -> Run:
         (prompt,) = prompts
         output = _llama([
-            str(tools / "llama-speculative-simple"), "-m", str(target), "-md", str(draft),
-            "-p", prompt.text, "--spec-type", "draft-simple",
-            "--spec-draft-n-max", str(LLAMA_DRAFT_MAX), "-t", str(threads), "-tb", str(threads),
-            "-td", str(threads), "-tbd", str(threads), "--temp", "0",
+            str(tools / "llama-speculative-simple"), "-m", str(target), "-p", prompt.text, *how,
+            "-t", str(threads), "-tb", str(threads), "--temp", "0",
             "-n", str(max_new_tokens), "-c", "512",
         ])
         encoded = re.search(r"encoded\s+(\d+) tokens in\s+([\d.]+) seconds", output)
@@ -212,6 +222,21 @@ def llama_speculative(
                    detail=detail)
 
     return run
+
+
+def llama_draft_model(draft: Path, threads: int) -> list[str]:
+    """The 0.5B draft, up to LLAMA_DRAFT_MAX drafted tokens a round."""
+    return ["-md", str(draft), "--spec-type", "draft-simple",
+            "--spec-draft-n-max", str(LLAMA_DRAFT_MAX), "-td", str(threads),
+            "-tbd", str(threads)]
+
+
+def llama_ngram() -> list[str]:
+    """Its prompt lookup (ngram-simple): the tokens after the latest earlier match of the last
+    LOOKUP_NGRAM tokens, up to LOOKUP_DRAFT_MAX; no match, a plain step. Ours matches 3 down
+    to 1 token and drafts up to the grid's longest K, the same 8."""
+    return ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(LOOKUP_NGRAM),
+            "--spec-ngram-simple-size-m", str(LOOKUP_DRAFT_MAX)]
 
 
 def llama_batched(tools: Path, target: Path, threads: int, max_new_tokens: int) -> Contender:
@@ -379,6 +404,9 @@ def main() -> None:
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--compiled-draft", action="store_true",
                         help="also our quantized targets with the draft compiled (draft.compile)")
+    parser.add_argument("--prompt-lookup", action="store_true",
+                        help="also our quantized targets with prompt lookup, and llama.cpp's "
+                             "(ngram-simple)")
     parser.add_argument("--targets", nargs="+", choices=OUR_TARGETS, default=list(OUR_TARGETS),
                         help="our targets (each plain and with the draft); with an AVX2 CPU's "
                              "code bf16 weights are held in fp32: two fit in 23 GB")
@@ -396,7 +424,7 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.max_new_tokens)
 
     engines, warmups = our_engines(args.threads, [1, OUR_BEST_BATCH], args.targets,
-                                   args.compiled_draft)
+                                   args.compiled_draft, args.prompt_lookup)
     tokenizer = next(iter(engines.values())).tokenizer
     in_one_call = args.prompts if args.quick else OUR_BEST_BATCH
     sets = {name: [Prompt(m, *chat_text_and_ids(tokenizer, m)) for m in prompts[:in_one_call]]
@@ -409,9 +437,12 @@ def main() -> None:
     ours = {name: our_contender(engine, params) for name, engine in engines.items()}
     at_batch_1 = {
         **ours, "llama_plain": llama["b1"],
-        "llama_speculative": llama_speculative(tools, target_gguf, draft_gguf, threads,
-                                               new_tokens),
+        "llama_speculative": llama_speculative(tools, target_gguf, threads, new_tokens,
+                                               llama_draft_model(draft_gguf, threads)),
     }
+    if args.prompt_lookup:
+        at_batch_1["llama_ngram"] = llama_speculative(tools, target_gguf, threads, new_tokens,
+                                                      llama_ngram())
     at_best_batch = ours | {"llama_plain": llama["best"]}
     timings = side_by_side(at_batch_1, at_best_batch, sets, args.repeats, args.prompts)
     where = machine(engines)
@@ -448,6 +479,7 @@ def main() -> None:
         "batch_1_prompts_per_set": args.prompts, "best_batch_prompts_per_set": in_one_call,
         "repeats": args.repeats,
         "llama_draft_max": LLAMA_DRAFT_MAX,
+        "llama_ngram": llama_ngram() if args.prompt_lookup else None,
         "tokens_per_second": tps,
         "ratios": ratios,
         "same_tokens_as_its_targets_plain": {
