@@ -24,6 +24,8 @@ from schemas.pricing import OVERRIDE_SOURCE, load_prices
 
 VIEWS_PATH = Path(schemas.__file__).with_name("metrics_views.sql")
 COSTLIEST_SHARDS = 10
+QUALITY_GUARDS = ("error", "empty", "looping")  # max_<guard>_fraction, in guard_fractions' order
+GUARD_DEFAULT = 0.5  # a plan written before a guard existed: that guard's default
 RECORDED_SOURCE = "recorded in the metrics at run time"
 
 
@@ -174,19 +176,24 @@ def _prices_used(con: duckdb.DuckDBPyConnection) -> list[dict[str, Any]]:
     ]
 
 
-def guard_fractions(ok: int, errors: int, empty: int) -> tuple[float | None, float | None]:
+def guard_fractions(
+    ok: int, errors: int, empty: int, looping: int
+) -> tuple[float | None, float | None, float | None]:
     """The fractions a run's quality guards hold against max_error_fraction (error rows of
-    all rows) and max_empty_fraction (blank completions of ok rows); None when undefined."""
-    return (errors / (ok + errors) if ok + errors else None, empty / ok if ok else None)
+    all rows), max_empty_fraction (blank completions of ok rows) and max_looping_fraction
+    (completions of ok rows that end in a loop); None when undefined."""
+    return (errors / (ok + errors) if ok + errors else None, empty / ok if ok else None,
+            looping / ok if ok else None)
 
 
 def run_status(run: dict[str, Any], plan: dict[str, Any] | None) -> str:
     """ok | failed_quality_guard | incomplete (fewer shards committed than planned)."""
     if plan is None or run["shards"] < plan["shards_planned"]:
         return "incomplete"
-    errors, empty = guard_fractions(run["ok_rows"] or 0, run["error_rows"] or 0,
-                                    run["empty_completions"] or 0)
-    if (errors or 0) > plan["max_error_fraction"] or (empty or 0) > plan["max_empty_fraction"]:
+    fractions = guard_fractions(run["ok_rows"] or 0, run["error_rows"] or 0,
+                                run["empty_completions"] or 0, run["looping_completions"] or 0)
+    limits = (plan[f"max_{guard}_fraction"] for guard in QUALITY_GUARDS)
+    if any((fraction or 0) > limit for fraction, limit in zip(fractions, limits, strict=True)):
         return "failed_quality_guard"
     return "ok"
 
@@ -199,8 +206,8 @@ def read_plans(fs, root: str) -> dict[str, dict[str, Any]]:
         plan = json.loads(content)
         plans[plan["run_id"]] = {
             "shards_planned": len(plan["shards"]),
-            "max_error_fraction": plan.get("max_error_fraction", 0.5),
-            "max_empty_fraction": plan.get("max_empty_fraction", 0.5),
+            **{f"max_{guard}_fraction": plan.get(f"max_{guard}_fraction", GUARD_DEFAULT)
+               for guard in QUALITY_GUARDS},
         }
     return plans
 

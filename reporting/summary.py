@@ -9,7 +9,8 @@ import pyarrow as pa
 
 from reporting.metrics import summarize_metrics
 
-COUNT_FIELDS = ("ok_rows", "error_rows", "empty_completions", "prompt_tokens", "generated_tokens")
+COUNT_FIELDS = ("ok_rows", "error_rows", "empty_completions", "looping_completions",
+                "prompt_tokens", "generated_tokens")
 # From the run's filter log entry; None for a run without filters.
 FILTER_FIELDS = ("kept_rows", "filtered_rows", "duplicate_rows")
 # None when undefined (no tokens, nothing proposed): an honest blank, not a zero.
@@ -66,6 +67,7 @@ def summary_figures(summary: dict[str, Any]) -> list[tuple[str, str]]:
         ("rows ok / error", f"{summary['ok_rows']:,} / {summary['error_rows']:,} of {rows:,}"),
         ("error reasons", reasons),
         ("empty completions", f"{summary['empty_completions']:,}"),
+        ("completions ending in a loop", f"{summary['looping_completions']:,}"),
         *([("kept / filtered", kept_line(summary))] if summary["kept_rows"] is not None else []),
         ("generated tokens", f"{summary['generated_tokens']:,}"),
         ("tokens per second", _number(summary["tokens_per_second"], 1)),

@@ -197,7 +197,8 @@ def print_report(report: dict[str, Any]) -> None:
     console.print(
         f"[bold]{total['shards']} committed shards[/], {total['generated_tokens']:,} tokens, "
         f"{total['error_rows']:,} error rows, {total['empty_completions'] or 0:,} empty "
-        f"completions, acceptance {rate(total['acceptance_rate'])}\n"
+        f"completions, {total['looping_completions'] or 0:,} ending in a loop, acceptance "
+        f"{rate(total['acceptance_rate'])}\n"
         f"generation cost {usd(total['cost'])} + engine load {usd(total['engine_load_cost'])} "
         f"({decimal(total['engine_load_seconds'])} s) = total {usd(total['total_cost'])}, "
         f"{usd(total['total_cost_per_1m_tokens'])} per 1M tokens; {savings_line(total)}",

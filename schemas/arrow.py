@@ -154,6 +154,10 @@ METRICS_SCHEMA = pa.schema(
             "empty_completions", pa.int64(), metadata={"doc": "ok rows whose completion is blank"}
         ),
         pa.field(
+            "looping_completions", pa.int64(),
+            metadata={"doc": "ok rows whose completion ends in a loop (max_looping_fraction)"},
+        ),
+        pa.field(
             "error_reasons",
             pa.list_(pa.struct([("reason", pa.string()), ("rows", pa.int64())])),
             metadata={"doc": "error rows per reason class (the reason up to its first colon)"},

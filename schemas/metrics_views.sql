@@ -98,6 +98,7 @@ SELECT CASE WHEN grouping(run_id) = 0 THEN 'run'
        string_agg(DISTINCT draft_kind, ',' ORDER BY draft_kind) AS draft_kinds,
        string_agg(DISTINCT model_pair, ', ' ORDER BY model_pair) AS model_pairs,
        sum(empty_completions) AS empty_completions,
+       sum(looping_completions) AS looping_completions,
        coalesce(sum(engine_load_seconds), 0) AS engine_load_seconds,
        coalesce(sum(report_engine_load_cost), 0) AS engine_load_cost,
        -- generation (shard) cost + engine load cost: what the run spent in all

@@ -305,6 +305,11 @@ class RunConfig(StrictModel):
     max_empty_fraction: float = Field(
         0.5, ge=0, le=1, description="fail the run when more of its completions are blank"
     )
+    max_looping_fraction: float = Field(
+        0.5, ge=0, le=1, description="fail the run when more of its completions end in a loop: "
+        "one unit of text (up to 200 characters) said 4 or more times in a row to the end, "
+        "making up half the completion or more"
+    )
     pricing: PricingSpec = PricingSpec()
     cost_cap_usd: float | None = Field(
         None, gt=0, description="no new shard starts once the projected cost would pass it"

@@ -80,6 +80,7 @@ class Plan:
     # The run's quality guards, so `corpusgen report` can say whether it passed them.
     max_error_fraction: float = 0.5
     max_empty_fraction: float = 0.5
+    max_looping_fraction: float = 0.5
     # The run's filters (config.filters as JSON): fixed for the run, as they decide data/.
     filters: list[dict[str, Any]] = field(default_factory=list)
 
@@ -366,4 +367,5 @@ def write_plan(layout: RunLayout, plan: Plan) -> Plan:
 def new_plan(layout: RunLayout, config: RunConfig, shards: list[Shard]) -> Plan:
     return Plan(layout.run_id, layout.run_date, config.config_hash(), shards,
                 config.max_error_fraction, config.max_empty_fraction,
+                config.max_looping_fraction,
                 [rule.model_dump(mode="json") for rule in config.filters])

@@ -35,7 +35,7 @@ from tasks.layout import RunLayout
 from tasks.planning import Shard, check_unchanged
 from tasks.prompting import prompt_format, render_records
 from tasks.provenance import provenance
-from tasks.quality import blank_count, error_reason_counts
+from tasks.quality import blank_count, error_reason_counts, looping_count
 from tasks.records import BadRecord, Record, truncate, with_samples
 from tasks.stopping import ShardAbandoned, stop_requested
 from tasks.storage import filesystem
@@ -54,7 +54,8 @@ ENGINE_METRIC_FIELDS = (
     "draft_weights_sha256", "draft_kind", "cpu_kernels", "cpu_model", "cpu_isa",
 )
 SUMMARY_FIELDS = ("input_rows", "ok_rows", "error_rows", "generated_tokens", "cost",
-                  "wall_seconds", "engine_load_cost", "empty_completions", "acceptance_rate")
+                  "wall_seconds", "engine_load_cost", "empty_completions", "looping_completions",
+                  "acceptance_rate")
 
 
 def worker_id() -> str:
@@ -207,6 +208,7 @@ def _generate_and_commit(config: RunConfig, layout: RunLayout, shard: Shard) -> 
             wall=held_seconds, load_seconds=lease.load_seconds, started_at=started_at,
         ),
         "empty_completions": blank_count([c.text for _, c in ok]),
+        "looping_completions": looping_count([c.text for _, c in ok]),
         "cache_full_rows": sum(c.finish_reason == "cache_full" for _, c in ok),
         "partial_character_rows": sum(c.trimmed_partial_character for _, c in ok),
         "structured_rows": len(ok) if sampling.response_format else None,
@@ -306,8 +308,9 @@ def log_outcome(logger, outcome: ShardOutcome) -> None:
     s = outcome.summary
     acceptance = "n/a" if s["acceptance_rate"] is None else f"{s['acceptance_rate']:.3f}"
     logger.info(
-        "shard %s %s: %s rows in, %s ok (%s empty), %s errors, %s tokens, acceptance %s, "
-        "%.2f s on the engine, cost $%.6f", outcome.shard_id, outcome.status, s["input_rows"],
-        s["ok_rows"], s["empty_completions"], s["error_rows"], s["generated_tokens"], acceptance,
+        "shard %s %s: %s rows in, %s ok (%s empty, %s looping), %s errors, %s tokens, "
+        "acceptance %s, %.2f s on the engine, cost $%.6f", outcome.shard_id, outcome.status,
+        s["input_rows"], s["ok_rows"], s["empty_completions"], s["looping_completions"],
+        s["error_rows"], s["generated_tokens"], acceptance,
         s["wall_seconds"], s["cost"],
     )

@@ -45,6 +45,7 @@ def judge_config(upstream: Path, output: Path, engine: dict, **overrides) -> dic
         "output": str(output),
         "sharding": {"rows_per_shard": 8},
         "filters": [KEEP],
+        "max_looping_fraction": 1.0,  # random tiny judges repeat themselves (run_config's note)
     }
     config.update(overrides)
     return config

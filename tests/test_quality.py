@@ -25,7 +25,7 @@ from flows.generate import generate_corpus
 from generation import kernels
 from generation.packing import row_exact_kernel
 from schemas import parse_run_config
-from tasks.quality import QualityError, quality_problems
+from tasks.quality import QualityError, ends_in_loop, quality_problems
 
 pytestmark = pytest.mark.usefixtures("prefect_server")
 runner = CliRunner()
@@ -37,7 +37,7 @@ def read(root, kind: str) -> list[dict]:
 
 def summary_with(**values) -> dict:
     return {"run_id": "r", "ok_rows": 0, "error_rows": 0, "empty_completions": 0,
-            "error_reasons": [], "errors": "out/errors/", **values}
+            "looping_completions": 0, "error_reasons": [], "errors": "out/errors/", **values}
 
 
 def fresh_engine(model_dir, batch_sizes: list[int]) -> dict:
@@ -47,16 +47,39 @@ def fresh_engine(model_dir, batch_sizes: list[int]) -> dict:
 
 
 def test_guards_name_what_failed_and_pass_within_the_limits():
-    assert quality_problems(summary_with(ok_rows=10, error_rows=10, empty_completions=5),
-                            0.5, 0.5) == []
+    assert quality_problems(summary_with(ok_rows=10, error_rows=10, empty_completions=5,
+                                         looping_completions=5), 0.5, 0.5, 0.5) == []
     (problem,) = quality_problems(
         summary_with(ok_rows=1, error_rows=3,
-                     error_reasons=[{"reason": "missing_field", "rows": 3}]), 0.5, 0.5)
+                     error_reasons=[{"reason": "missing_field", "rows": 3}]), 0.5, 0.5, 0.5)
     assert "3 of 4 rows failed (75% > max_error_fraction 50%" in problem
     assert "missing_field 3" in problem
-    (problem,) = quality_problems(summary_with(ok_rows=4, empty_completions=4), 0.5, 0.5)
+    (problem,) = quality_problems(summary_with(ok_rows=4, empty_completions=4), 0.5, 0.5, 0.5)
     assert "4 of 4 completions are empty" in problem and "input.chat_template" in problem
-    assert quality_problems(summary_with(ok_rows=4, empty_completions=1), 0.5, 0.0)
+    assert quality_problems(summary_with(ok_rows=4, empty_completions=1), 0.5, 0.0, 0.5)
+    (problem,) = quality_problems(summary_with(ok_rows=4, looping_completions=3), 0.5, 0.5, 0.5)
+    assert "3 of 4 completions end in a loop" in problem and "max_looping_fraction" in problem
+    assert quality_problems(summary_with(ok_rows=4, looping_completions=1), 0.5, 0.5, 0.0)
+
+
+PARIS = "The capital of France is Paris. "
+
+
+@pytest.mark.parametrize(("text", "loops"), [
+    (" Kitemap Kitemap Kitemap Kitemap Kitemap", True),  # SmolLM2 on the README's run
+    (PARIS * 5 + "The capital of", True),  # cut off mid-phrase by max_new_tokens
+    ("Sure! Here is a long answer. " * 1 + PARIS * 4, True),  # the loop is most of it
+    (" 1, 1, 1, 1, 1, 1, 1, 1, 1,\n\n", True),
+    ("A long and useful answer about the sea, its tides and its salt. " * 3 + PARIS * 4, False),
+    ("The sea is vast and deep!!!!", False),  # a repeated character, not half of it
+    ("1. bread\n2. milk\n3. eggs\n4. butter\n", False),  # rows differ
+    ("| a | b |\n|---|---|\n| 1 | 2 |\n| 3 | 4 |", False),
+    ("#include <iostream>\n#include <string>\n#include <vector>\n#include <map>\n", False),
+    ("yes", False),
+    ("", False),
+])
+def test_a_completion_ends_in_a_loop_when_a_phrase_repeats_to_its_end(text, loops):
+    assert ends_in_loop(text) == loops
 
 
 def test_summary_figures_are_named_and_blank_when_undefined():
@@ -240,6 +263,7 @@ def test_plain_prompts_on_smollm2_get_answers_and_raw_text_trips_the_empty_guard
                              "draft_lengths": [2]}
     config = run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "chat"), engine,
                         sharding={"rows_per_shard": 16})
+    del config["max_looping_fraction"]  # a real model's answers pass the default guard too
     config["input"] = {"uri": str(tmp_path / "in.jsonl"), "prompt_field": "text",
                        "id_field": "id"}
     config["generation"].update(warmup=False, sampling={"max_new_tokens": 12})
@@ -254,6 +278,40 @@ def test_plain_prompts_on_smollm2_get_answers_and_raw_text_trips_the_empty_guard
         generate_corpus(raw)
     (metrics,) = read(tmp_path / "raw", "metrics")
     assert metrics["chat_template"] == "raw" and metrics["empty_completions"] > 8
+
+
+@pytest.mark.slow
+def test_completions_stuck_in_a_loop_fail_the_run_and_the_report_says_so(tmp_path, smollm2_spec):
+    """SmolLM2 at temperature 0 sent raw text that repeats (the README run's list copy got
+    "Kitemap" to the end) continues the repetition to max_new_tokens: 6 of 8 completions loop,
+    so the run exits 1 naming the guard; its shard stays committed and the report marks the
+    run as failing its guard. The same model answering questions through its chat template
+    passes (the test above)."""
+    repeats = ["Kitemap Kitemap Kitemap", "1, 1, 1, 1, 1, 1, 1, 1,", "0 0 0 0 0 0 0 0",
+               "x, x, x, x, x, x,", "red, red, red, red, red,", "1 1 1 1 1 1 1 1"]
+    prompts = [*repeats, "The sky is blue because", "Once upon a time"]
+    write_jsonl(tmp_path / "in.jsonl",
+                [{"id": f"p{i}", "prompt": p} for i, p in enumerate(prompts)])
+    engine = {**tiny_engine("unused"), "target": smollm2_spec.model_dump()}
+    engine["bucket_grid"] = {"batch_sizes": [8], "prompt_lengths": [32], "cache_lengths": [96],
+                             "draft_lengths": [2]}
+    config = run_config(str(tmp_path / "in.jsonl"), str(tmp_path / "out"), engine)
+    del config["max_looping_fraction"]  # the default guard, 0.5
+    config["input"]["chat_template"] = "off"
+    config["generation"].update(warmup=False, sampling={"max_new_tokens": 40})
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    result = runner.invoke(app, ["run", str(path)])
+    assert result.exit_code == 1, result.output
+    data = {r["id"]: r["completion"] for r in read(tmp_path / "out", "data")}
+    looping = sorted(i for i, text in data.items() if ends_in_loop(text))
+    assert looping == [f"p{i}" for i in range(len(repeats))], data
+    assert "6 of 8 completions end in a loop" in result.output
+    (metrics,) = read(tmp_path / "out", "metrics")
+    assert metrics["looping_completions"] == 6 and metrics["ok_rows"] == 8
+    report = json.loads(runner.invoke(app, ["report", str(tmp_path / "out"), "--format", "json"])
+                        .stdout)
+    assert [run["status"] for run in report["runs"]] == ["failed_quality_guard"]
 
 
 def test_report_reads_outputs_written_before_the_new_columns(tmp_path):
