@@ -286,6 +286,17 @@ def test_a_new_call_starts_from_what_rounds_paid_over_the_run(paid, lifted):
     assert (chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG) > 0) == lifted
 
 
+def rounds_until_vetoed(chooser: DraftLengthChooser, paid: float, most: int = 12) -> int:
+    """K=4 rounds of 4 s that pay `paid` x plain, run while the chooser speculates (at most
+    `most`); how many ran."""
+    rounds_run = 0
+    while rounds_run < most and chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG):
+        chooser.observe_step(1, 4, seconds=4.0, forward_seconds=4.0)
+        chooser.observe_round_payoff(1, 4.0, 4.0 * paid)
+        rounds_run += 1
+    return rounds_run
+
+
 @pytest.mark.parametrize(("lifted_rate", "most_rounds"), [(0.7, 3), (1.1, 12)])
 def test_a_lifted_call_is_vetoed_again_within_a_few_rounds_that_lose(lifted_rate, most_rounds):
     """Prompt lookup pays ~1.8x on copy tasks and ~0.7x on free text: lifted at a new free-text
@@ -293,11 +304,7 @@ def test_a_lifted_call_is_vetoed_again_within_a_few_rounds_that_lose(lifted_rate
     Rounds that pay over plain keep the lift (12 rounds: as many as the loop runs)."""
     chooser = vetoed_after_a_bad_stretch(1.8)
     chooser.new_prompts()
-    rounds_run = 0
-    while rounds_run < 12 and chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG):
-        chooser.observe_step(1, 4, seconds=4.0, forward_seconds=4.0)
-        chooser.observe_round_payoff(1, 4.0, 4.0 * lifted_rate)
-        rounds_run += 1
+    rounds_run = rounds_until_vetoed(chooser, lifted_rate)
     assert rounds_run <= most_rounds if lifted_rate < 1 else rounds_run == most_rounds
 
 
@@ -309,11 +316,7 @@ def test_every_lift_weighs_its_payoff_as_lift_rounds_rounds():
     for _ in range(2):
         chooser.new_prompts()
         assert chooser.round_seconds[1] == pytest.approx(chooser.lift_rounds * 4.0)
-        for _ in range(12):
-            if not chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG):
-                break
-            chooser.observe_step(1, 4, seconds=4.0, forward_seconds=4.0)
-            chooser.observe_round_payoff(1, 4.0, 4.0 * 0.7)
+        rounds_until_vetoed(chooser, 0.7)
         assert not chooser.choose(1, target_seconds, draft_seconds, 0.0, LONG)  # vetoed
 
 
